@@ -1,0 +1,434 @@
+"""Typed, frozen run configuration: YAML overlays on dataclass defaults, plus `--set` overrides.
+
+One mechanism: every scalar is read as text (YAML `BaseLoader`) and converted by the type of the
+dataclass field it lands in. So `learning_rate: 3e-4` and `--set optim.learning_rate=1e-5` are
+floats (a YAML 1.1 loader would read `3e-4` as a string), while a `str` field given `1e5` stays the
+string "1e5" (../shared/cases case 2). Unknown keys and wrong types raise `ConfigError` with a one-line
+message naming the key and the nearest valid key, before any work is done.
+
+Model field names follow HF `DeepseekV3Config` / `DeepseekV2Config`
+(transformers/models/deepseek_v{2,3}/configuration_deepseek_v{2,3}.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import math
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad configuration value or key. The message is one line and names the key."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Schema
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """YaRN RoPE scaling (HF `rope_scaling` / `rope_parameters` with `rope_type: yarn`)."""
+
+    type: str = "yarn"
+    factor: float = 1.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: Optional[float] = None
+    mscale_all_dim: Optional[float] = None
+    attention_factor: Optional[float] = None
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """DeepSeek V2/V3 architecture (HF field names) plus dsjax numerics and kernel switches."""
+
+    vocab_size: int = 4096
+    hidden_size: int = 256
+    intermediate_size: int = 768
+    moe_intermediate_size: int = 128
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    q_lora_rank: Optional[int] = None
+    kv_lora_rank: int = 64
+    qk_nope_head_dim: int = 32
+    qk_rope_head_dim: int = 16
+    v_head_dim: int = 32
+    n_routed_experts: int = 8
+    n_shared_experts: int = 1
+    num_experts_per_tok: int = 2
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "noaux_tc"  # greedy | group_limited_greedy | noaux_tc
+    scoring_func: str = "sigmoid"  # softmax | sigmoid
+    norm_topk_prob: bool = True
+    routed_scaling_factor: float = 1.0
+    first_k_dense_replace: int = 1
+    rope_theta: float = 10000.0
+    rope_scaling: Optional[RopeScaling] = None
+    rope_interleave: bool = True
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    num_nextn_predict_layers: int = 0
+    initializer_range: float = 0.02
+    # dsjax numerics and switches
+    dtype: str = "float32"  # compute dtype: float32 | bfloat16 | float16
+    weight_dtype: str = "float32"  # master weights
+    attention_impl: str = "auto"  # auto | pallas | reference
+    moe_impl: str = "auto"  # auto | pallas | reference
+    remat: str = "none"  # none | full | dots_saveable
+    router_bias_update_rate: float = 1e-3  # noaux_tc bias step (DeepSeek-V3 sec. 2.1.2, gamma)
+    aux_loss_alpha: float = 0.0  # sequence-wise balance loss weight (DeepSeek-V3 eq. 17-20)
+    mtp_loss_weight: float = 0.3
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_hidden_layers - self.first_k_dense_replace
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Device mesh axis sizes (-1 fills the rest) and the logical-axis rules preset."""
+
+    data: int = 1
+    fsdp: int = -1
+    expert: int = 1
+    tensor: int = 1
+    context: int = 1
+    preset: str = "fsdp"
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW + schedule + clipping (built by `dsjax.train.optim.build_optimizer`)."""
+
+    learning_rate: float = 3e-4
+    schedule: str = "cosine"  # cosine | wsd | constant
+    warmup_steps: int = 100
+    decay_steps: Optional[int] = None  # default: train.steps
+    min_lr_ratio: float = 0.1
+    wsd_decay_fraction: float = 0.2
+    b1: float = 0.9
+    b2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    grad_clip_norm: float = 1.0
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    """Corpus, tokenizer and packing."""
+
+    train: list[str] = field(default_factory=lambda: ["stdlib"])  # "stdlib" or files/globs/.jsonl
+    validation: list[str] = field(default_factory=list)  # empty: split off `train` by file path
+    jsonl_text_field: str = "text"
+    tokenizer: Optional[str] = None  # HF tokenizer.json; None: train byte-level BPE on first use
+    tokenizer_vocab_size: Optional[int] = None  # default: model.vocab_size
+    val_fraction: float = 0.02
+    cache_dir: str = "~/.cache/dsjax"
+    seq_len: int = 256
+    batch_size: int = 8  # global batch, rows of seq_len tokens per optimizer micro-step
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Loop length, accumulation, logging, evaluation and numerics policy."""
+
+    steps: int = 1000
+    grad_accum: int = 1
+    seed: int = 0
+    run_dir: str = "runs/default"
+    log_every: int = 10
+    eval_every: int = 100
+    eval_batches: int = 8
+    skip_nonfinite: bool = False  # bf16/fp32: skip a non-finite update instead of stopping
+    progress: bool = True
+    tensorboard: bool = True
+    peak_tflops: Optional[float] = None  # per device; default from the device kind
+    init_from_hf: Optional[str] = None
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Orbax CheckpointManager settings."""
+
+    every: int = 500
+    max_to_keep: int = 3
+    async_save: bool = True
+
+
+@dataclass(frozen=True)
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+
+# ----------------------------------------------------------------------------------------------
+# Conversion of text values by field type
+# ----------------------------------------------------------------------------------------------
+
+_NULLS = {"null", "~", "none", "None", "NULL", ""}
+_TRUE = {"true", "True", "TRUE", "yes", "on"}
+_FALSE = {"false", "False", "FALSE", "no", "off"}
+
+
+def _strip_optional(tp):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def _convert(value: Any, tp: Any, key: str) -> Any:
+    tp, optional = _strip_optional(tp)
+    if optional and (value is None or (isinstance(value, str) and value in _NULLS)):
+        return None
+    if dataclasses.is_dataclass(tp):
+        if isinstance(value, tp):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"config: {key} must be a mapping, got {value!r}")
+        return _build(tp, value, key)
+    origin = typing.get_origin(tp)
+    if origin is list:
+        (item_tp,) = typing.get_args(tp)
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"config: {key} must be a list, got {value!r}")
+        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"config: {key} must be a mapping, got {value!r}")
+        return dict(value)
+    if isinstance(value, (dict, list)):
+        raise ConfigError(f"config: {key} must be a {tp.__name__}, got {value!r}")
+    text = value if isinstance(value, str) else repr(value) if isinstance(value, float) else str(value)
+    if tp is str:
+        return text
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+        raise ConfigError(f"config: {key} must be a bool (true/false), got {text!r}")
+    if tp is int:
+        if isinstance(value, bool):
+            raise ConfigError(f"config: {key} must be an int, got {value!r}")
+        try:
+            return int(text.replace("_", ""))
+        except ValueError:
+            try:
+                f = float(text)
+            except ValueError:
+                f = math.nan
+            if math.isfinite(f) and f == int(f):
+                return int(f)
+            raise ConfigError(f"config: {key} must be an int, got {text!r}") from None
+    if tp is float:
+        try:
+            return float(text.replace("_", ""))
+        except ValueError:
+            raise ConfigError(f"config: {key} must be a float, got {text!r}") from None
+    raise ConfigError(f"config: {key}: unsupported field type {tp!r}")
+
+
+def _hint(name: str, names) -> str:
+    close = difflib.get_close_matches(name, list(names), n=1, cutoff=0.5)
+    return f" (did you mean '{close[0]}'?)" if close else ""
+
+
+def _build(cls, values: dict, prefix: str, base=None):
+    """Instantiate dataclass `cls` from a mapping of (text) values, over `base` if given."""
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for k, v in values.items():
+        k = str(k)
+        key = f"{prefix}.{k}" if prefix else k
+        if k not in names:
+            valid = [f"{prefix}.{n}" if prefix else n for n in names]
+            raise ConfigError(f"config: unknown key '{key}'{_hint(key, valid)}")
+        sub_base = getattr(base, k) if base is not None else None
+        tp, _ = _strip_optional(hints[k])
+        if dataclasses.is_dataclass(tp) and isinstance(v, dict):
+            kwargs[k] = _build(tp, v, key, sub_base)
+        else:
+            kwargs[k] = _convert(v, hints[k], key)
+    if base is not None:
+        return dataclasses.replace(base, **kwargs)
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # pragma: no cover - all fields have defaults
+        raise ConfigError(f"config: {prefix}: {e}") from None
+
+
+def _deep_set(tree: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node = tree
+    for p in parts[:-1]:
+        node = node.setdefault(p, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"config: --set {dotted}: '{p}' is not a section")
+    node[parts[-1]] = value
+
+
+def _merge(a: dict, b: dict) -> dict:
+    out = dict(a)
+    for k, v in b.items():
+        if isinstance(v, dict) and isinstance(out.get(k), dict):
+            out[k] = _merge(out[k], v)
+        else:
+            out[k] = v
+    return out
+
+
+def _read_yaml(text: str, where: str) -> Any:
+    try:
+        return yaml.load(text, Loader=yaml.BaseLoader)  # every scalar as text; typed by the schema
+    except yaml.YAMLError as e:
+        line = getattr(getattr(e, "problem_mark", None), "line", None)
+        at = f" line {line + 1}" if line is not None else ""
+        raise ConfigError(f"config: {where}{at}: invalid YAML ({getattr(e, 'problem', e)})") from None
+
+
+def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Build a `Config` from defaults, an optional YAML file and `key.sub=value` overrides.
+
+    Raises:
+      ConfigError: unknown key, wrong type, bad YAML, or an inconsistent value (see `validate`).
+      FileNotFoundError: the YAML file does not exist.
+    """
+    tree: dict = {}
+    if path is not None:
+        p = Path(path)
+        if not p.is_file():
+            raise FileNotFoundError(f"config: file not found: {p}")
+        data = _read_yaml(p.read_text(), str(p))
+        if data is not None and not isinstance(data, dict):
+            raise ConfigError(f"config: {p}: top level must be a mapping of sections")
+        tree = data or {}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"config: --set {item!r}: expected key.sub=value")
+        key, text = item.split("=", 1)
+        value = _read_yaml(text, f"--set {key}") if text.strip() else ""
+        _deep_set(tree, key.strip(), value)
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def from_dict(tree: dict) -> Config:
+    """Build and validate a `Config` from a (typed or text) nested mapping, e.g. a saved run."""
+    cfg = _build(Config, tree, "")
+    validate(cfg)
+    return cfg
+
+
+def to_dict(cfg) -> dict:
+    """Plain nested dict (YAML/JSON-serialisable) of a config dataclass."""
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+_CHOICES = {
+    "model.topk_method": ("greedy", "group_limited_greedy", "noaux_tc"),
+    "model.scoring_func": ("softmax", "sigmoid"),
+    "model.dtype": ("float32", "bfloat16", "float16"),
+    "model.weight_dtype": ("float32", "bfloat16"),
+    "model.attention_impl": ("auto", "pallas", "reference"),
+    "model.moe_impl": ("auto", "pallas", "reference"),
+    "model.remat": ("none", "full", "dots_saveable"),
+    "mesh.preset": ("fsdp", "dp", "tp", "ep", "cp", "fsdp_tp_ep"),
+    "optim.schedule": ("cosine", "wsd", "constant"),
+    "model.rope_scaling.type": ("yarn",),
+}
+
+
+def validate(cfg: Config) -> None:
+    """Cross-field checks; raises `ConfigError` naming the offending key."""
+    for key, choices in _CHOICES.items():
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part) if obj is not None else None
+        if obj is not None and obj not in choices:
+            raise ConfigError(f"config: {key}={obj!r}: expected one of {', '.join(choices)}")
+    m = cfg.model
+    positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                "kv_lora_rank", "qk_nope_head_dim", "v_head_dim", "num_experts_per_tok",
+                "n_group", "topk_group", "max_position_embeddings"]
+    for name in positive:
+        if getattr(m, name) <= 0:
+            raise ConfigError(f"config: model.{name} must be > 0, got {getattr(m, name)}")
+    if m.qk_rope_head_dim <= 0 or m.qk_rope_head_dim % 2:
+        raise ConfigError(f"config: model.qk_rope_head_dim must be even and > 0, got {m.qk_rope_head_dim}")
+    if m.q_lora_rank is not None and m.q_lora_rank < 0:
+        raise ConfigError(f"config: model.q_lora_rank must be null or >= 0, got {m.q_lora_rank}")
+    if not 0 <= m.first_k_dense_replace <= m.num_hidden_layers:
+        raise ConfigError(f"config: model.first_k_dense_replace={m.first_k_dense_replace} must be in "
+                          f"[0, num_hidden_layers={m.num_hidden_layers}]")
+    if m.num_moe_layers > 0:
+        if m.n_routed_experts <= 0 or m.moe_intermediate_size <= 0:
+            raise ConfigError("config: model.n_routed_experts and model.moe_intermediate_size must be > 0 "
+                              "when there are MoE layers")
+        if m.num_experts_per_tok > m.n_routed_experts:
+            raise ConfigError(f"config: model.num_experts_per_tok={m.num_experts_per_tok} exceeds "
+                              f"n_routed_experts={m.n_routed_experts}")
+        if m.n_routed_experts % m.n_group:
+            raise ConfigError(f"config: model.n_group={m.n_group} must divide n_routed_experts="
+                              f"{m.n_routed_experts}")
+        if m.topk_group > m.n_group:
+            raise ConfigError(f"config: model.topk_group={m.topk_group} exceeds n_group={m.n_group}")
+        if m.topk_method == "noaux_tc" and m.scoring_func != "sigmoid":
+            raise ConfigError("config: model.topk_method=noaux_tc requires scoring_func=sigmoid")
+        if m.topk_method == "noaux_tc" and m.n_group > 1 and m.n_routed_experts // m.n_group < 2:
+            raise ConfigError("config: model.n_group: noaux_tc group scores need >= 2 experts per group")
+        if m.num_experts_per_tok > m.topk_group * (m.n_routed_experts // m.n_group):
+            raise ConfigError("config: model.num_experts_per_tok exceeds the experts in topk_group groups")
+    if m.first_k_dense_replace > 0 and m.intermediate_size <= 0:
+        raise ConfigError("config: model.intermediate_size must be > 0 when first_k_dense_replace > 0")
+    if m.rope_scaling is not None and m.rope_scaling.factor <= 0:
+        raise ConfigError(f"config: model.rope_scaling.factor must be > 0, got {m.rope_scaling.factor}")
+    d, t, o, c = cfg.data, cfg.train, cfg.optim, cfg.checkpoint
+    if d.seq_len <= 0 or d.batch_size <= 0:
+        raise ConfigError("config: data.seq_len and data.batch_size must be > 0")
+    if d.seq_len > m.max_position_embeddings:
+        raise ConfigError(f"config: data.seq_len={d.seq_len} exceeds model.max_position_embeddings="
+                          f"{m.max_position_embeddings}")
+    if not 0.0 <= d.val_fraction < 1.0:
+        raise ConfigError(f"config: data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    vocab = d.tokenizer_vocab_size or m.vocab_size
+    if vocab > m.vocab_size:
+        raise ConfigError(f"config: data.tokenizer_vocab_size={vocab} exceeds model.vocab_size={m.vocab_size}")
+    if t.steps < 0 or t.grad_accum <= 0 or t.log_every <= 0:
+        raise ConfigError("config: train.steps must be >= 0, train.grad_accum and train.log_every > 0")
+    if o.learning_rate < 0 or o.warmup_steps < 0:
+        raise ConfigError("config: optim.learning_rate and optim.warmup_steps must be >= 0")
+    if c.every <= 0 or c.max_to_keep <= 0:
+        raise ConfigError("config: checkpoint.every and checkpoint.max_to_keep must be > 0")

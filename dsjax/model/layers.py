@@ -1,0 +1,138 @@
+"""Building blocks: linear, RMSNorm, SwiGLU MLP and MLA attention (Flax NNX).
+
+Legend: B batch, T query length, S key length, D hidden_size, H heads, Dn qk_nope_head_dim,
+R qk_rope_head_dim, Dv v_head_dim, C kv_lora_rank, Q q_lora_rank, F MLP width.
+Kernels are stored [in, out] (HF linears are [out, in]); parameters carry logical axis names
+(`embed`, `heads`, `q_lora`, `kv_lora`, `mlp`, `vocab`, `norm`) that `sharding.rules` maps to the mesh.
+Maths: DeepSeek-V2 paper sec. 2.1 (MLA); transformers/models/deepseek_v3/modeling_deepseek_v3.py.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.model.rope import apply_rope
+from pallas_kernels.flash_attention import flash_attention
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+def dtype_of(name: str):
+    return DTYPES[name]
+
+
+class Linear(nnx.Module):
+    """y = x @ kernel (+ bias); kernel [in, out] in weight dtype, cast to the compute dtype."""
+
+    def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, *, rngs: nnx.Rngs,
+                 bias: bool = False):
+        init = nnx.initializers.normal(cfg.initializer_range)
+        wdt = dtype_of(cfg.weight_dtype)
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), wdt), sharding_names=axes)
+        self.bias = nnx.Param(jnp.zeros((d_out,), wdt), sharding_names=axes[1:]) if bias else None
+        self.dtype = dtype_of(cfg.dtype)
+
+    def __call__(self, x):
+        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(self.dtype)
+        return y
+
+
+class RMSNorm(nnx.Module):
+    """weight * (x * rsqrt(mean(x^2) + eps)) with fp32 statistics, cast to the input dtype before
+    the weight multiply (HF `DeepseekV3RMSNorm`)."""
+
+    def __init__(self, dim: int, eps: float, cfg: ModelConfig):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype_of(cfg.weight_dtype)), sharding_names=("norm",))
+        self.eps = eps
+
+    def __call__(self, x):
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+
+
+class MLP(nnx.Module):
+    """SwiGLU: down(silu(gate(x)) * up(x)); x [..., D] -> [..., D]."""
+
+    def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
+        D = cfg.hidden_size
+        self.gate_proj = Linear(D, width, ("embed", "mlp"), cfg, rngs=rngs)
+        self.up_proj = Linear(D, width, ("embed", "mlp"), cfg, rngs=rngs)
+        self.down_proj = Linear(width, D, ("mlp", "embed"), cfg, rngs=rngs)
+
+    def __call__(self, x):
+        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class MLA(nnx.Module):
+    """Multi-head latent attention (DeepSeek-V2 sec. 2.1), training form (K/V expanded per head).
+
+    q = q_proj(x) or q_b_proj(q_a_layernorm(q_a_proj(x))) -> [B, T, H, Dn + R];
+    [c_kv | k_rope] = kv_a_proj_with_mqa(x); c_kv normed (eps 1e-6); k_rope is one shared head;
+    [k_nope | v] = kv_b_proj(c_kv) per head; RoPE on the last R dims of q and on k_rope.
+    """
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, H = cfg.hidden_size, cfg.num_attention_heads
+        self.cfg = cfg
+        qk = cfg.qk_head_dim
+        b = cfg.attention_bias
+        if cfg.q_lora_rank:
+            self.q_a_proj = Linear(D, cfg.q_lora_rank, ("embed", "q_lora"), cfg, rngs=rngs, bias=b)
+            self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, 1e-6, cfg)
+            self.q_b_proj = Linear(cfg.q_lora_rank, H * qk, ("q_lora", "heads"), cfg, rngs=rngs)
+            self.q_proj = None
+        else:
+            self.q_proj = Linear(D, H * qk, ("embed", "heads"), cfg, rngs=rngs)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        self.kv_a_proj_with_mqa = Linear(D, cfg.kv_lora_rank + cfg.qk_rope_head_dim,
+                                         ("embed", "kv_lora"), cfg, rngs=rngs, bias=b)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, 1e-6, cfg)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, H * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                ("kv_lora", "heads"), cfg, rngs=rngs)
+        self.o_proj = Linear(H * cfg.v_head_dim, D, ("heads", "embed"), cfg, rngs=rngs, bias=b)
+
+    def queries(self, x, cos, sin):
+        """x [B, T, D] -> roped q [B, T, H, Dn + R]."""
+        c = self.cfg
+        B, T, _ = x.shape
+        if self.q_proj is not None:
+            q = self.q_proj(x)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        q = q.reshape(B, T, c.num_attention_heads, c.qk_head_dim)
+        q_nope, q_rope = q[..., :c.qk_nope_head_dim], q[..., c.qk_nope_head_dim:]
+        q_rope = apply_rope(q_rope, cos, sin, c.rope_interleave)
+        return jnp.concatenate([q_nope, q_rope], axis=-1)
+
+    def latent(self, x, cos, sin):
+        """x [B, T, D] -> (normed c_kv [B, T, C], roped k_rope [B, T, R]): what the decode cache holds."""
+        c = self.cfg
+        kv = self.kv_a_proj_with_mqa(x)
+        c_kv, k_rope = kv[..., :c.kv_lora_rank], kv[..., c.kv_lora_rank:]
+        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, c.rope_interleave)[:, :, 0, :]
+        return self.kv_a_layernorm(c_kv), k_rope
+
+    def expand_kv(self, c_kv, k_rope):
+        """(c_kv [B, S, C], k_rope [B, S, R]) -> k [B, S, H, Dn + R], v [B, S, H, Dv]."""
+        c = self.cfg
+        B, S, _ = c_kv.shape
+        H = c.num_attention_heads
+        kv = self.kv_b_proj(c_kv).reshape(B, S, H, c.qk_nope_head_dim + c.v_head_dim)
+        k_nope, v = kv[..., :c.qk_nope_head_dim], kv[..., c.qk_nope_head_dim:]
+        k_rope = jnp.broadcast_to(k_rope[:, :, None, :].astype(k_nope.dtype), (B, S, H, c.qk_rope_head_dim))
+        return jnp.concatenate([k_nope, k_rope], axis=-1), v
+
+    def __call__(self, x, cos, sin, segment_ids, scale):
+        """x [B, T, D]; cos/sin [B, T, R/2]; segment_ids [B, T] int (0 = padding) -> [B, T, D]."""
+        B, T, _ = x.shape
+        q = self.queries(x, cos, sin)
+        c_kv, k_rope = self.latent(x, cos, sin)
+        k, v = self.expand_kv(c_kv, k_rope)
+        o = flash_attention(q, k, v, causal=True, scale=scale, segment_ids=segment_ids,
+                            impl=self.cfg.attention_impl)
+        return self.o_proj(o.reshape(B, T, -1))

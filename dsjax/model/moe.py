@@ -1,0 +1,143 @@
+"""DeepSeekMoE: routers (V2 softmax greedy / group-limited greedy, V3 sigmoid noaux_tc), dropless
+sort-based expert dispatch, shared experts, and the balancing statistics.
+
+Legend: T tokens (B*T flattened), D hidden_size, E n_routed_experts, K num_experts_per_tok,
+G n_group, F moe_intermediate_size.
+Sources: DeepSeek-V2 paper sec. 2.2 (device-limited routing), DeepSeek-V3 paper sec. 2.1.2
+(sigmoid affinities, aux-loss-free bias, sequence-wise balance loss eq. 17-20);
+transformers/models/deepseek_v{2,3}/modeling_deepseek_v{2,3}.py (`DeepseekV3TopkRouter`,
+`DeepseekV2Moe.route_tokens_to_experts`).
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.model.layers import MLP, dtype_of
+from pallas_kernels.moe import grouped_matmul, permute, unpermute
+
+
+class RouterBias(nnx.Variable):
+    """noaux_tc `e_score_correction_bias` [E] (fp32): updated from expert load after each step,
+    outside the optimizer (DeepSeek-V3 sec. 2.1.2)."""
+
+
+def route(logits, bias, cfg: ModelConfig):
+    """Pick experts. All maths in fp32.
+
+    Args:
+      logits: [T, E] fp32 router logits; bias: [E] fp32 (noaux_tc only, else ignored).
+    Returns:
+      ids [T, K] int32, weights [T, K] fp32 (scaled by routed_scaling_factor), scores [T, E] fp32
+      (softmax or sigmoid affinities, before bias).
+    """
+    E, K, G = cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.n_group
+    T = logits.shape[0]
+    logits = logits.astype(jnp.float32)
+    if cfg.scoring_func == "sigmoid":
+        scores = jax.nn.sigmoid(logits)
+    else:
+        scores = jax.nn.softmax(logits, axis=-1)
+    if cfg.topk_method == "noaux_tc":
+        choice = scores + bias.astype(jnp.float32)[None, :]
+        if G > 1:
+            grouped = choice.reshape(T, G, E // G)
+            group_scores = jnp.sum(jax.lax.top_k(grouped, 2)[0], axis=-1)  # [T, G] top-2 sum
+            _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+            gmask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep].set(True)
+            choice = jnp.where(jnp.repeat(gmask, E // G, axis=1), choice, -jnp.inf)
+        _, ids = jax.lax.top_k(choice, K)
+        weights = jnp.take_along_axis(scores, ids, axis=1)  # unbiased affinities
+    elif cfg.topk_method == "group_limited_greedy":
+        grouped = scores.reshape(T, G, E // G)
+        group_scores = jnp.max(grouped, axis=-1)  # [T, G] group max
+        _, keep = jax.lax.top_k(group_scores, cfg.topk_group)
+        gmask = jnp.zeros((T, G), bool).at[jnp.arange(T)[:, None], keep].set(True)
+        masked = jnp.where(jnp.repeat(gmask, E // G, axis=1), scores, 0.0)
+        weights, ids = jax.lax.top_k(masked, K)
+    else:  # greedy
+        weights, ids = jax.lax.top_k(scores, K)
+    if cfg.norm_topk_prob and (cfg.topk_method == "noaux_tc" or K > 1):
+        weights = weights / (jnp.sum(weights, axis=-1, keepdims=True) + 1e-20)
+    weights = weights * cfg.routed_scaling_factor
+    return ids.astype(jnp.int32), weights, scores
+
+
+def balance_stats(ids, scores, token_mask, cfg: ModelConfig, batch_shape):
+    """Expert counts, router entropy and the sequence-wise balance loss over real tokens only.
+
+    Args:
+      ids: [T, K]; scores: [T, E] fp32; token_mask: [T] bool (False = padding);
+      batch_shape: (B, Tseq) with T = B * Tseq.
+    Returns:
+      counts [E] fp32 (routed real tokens per expert), entropy (mean over real tokens, nats),
+      seq_aux (DeepSeek-V3 eq. 17-20, unweighted; averaged over sequences with real tokens).
+    """
+    E, K = cfg.n_routed_experts, cfg.num_experts_per_tok
+    B, Ts = batch_shape
+    m = token_mask.astype(jnp.float32)
+    n_real = jnp.maximum(jnp.sum(m), 1.0)
+    counts = jnp.zeros((E,), jnp.float32).at[ids.reshape(-1)].add(jnp.repeat(m, K))
+    p = scores / jnp.sum(scores, axis=-1, keepdims=True)
+    ent = -jnp.sum(p * jnp.log(jnp.maximum(p, 1e-30)), axis=-1)
+    entropy = jnp.sum(ent * m) / n_real
+    # sequence-wise: f_e = E / (K * T_b) * count_{b,e}; P_e = mean_t s'_{t,e}; L = sum_e f_e P_e
+    seq = jnp.repeat(jnp.arange(B), Ts)
+    seq_counts = jnp.zeros((B, E), jnp.float32).at[seq[:, None], ids].add(m[:, None])
+    tb = jnp.sum(m.reshape(B, Ts), axis=1)
+    f = seq_counts * E / (K * jnp.maximum(tb, 1.0))[:, None]
+    P = jax.ops.segment_sum(p * m[:, None], seq, num_segments=B) / jnp.maximum(tb, 1.0)[:, None]
+    has = (tb > 0).astype(jnp.float32)
+    seq_aux = jnp.sum(jnp.sum(f * P, axis=-1) * has) / jnp.maximum(jnp.sum(has), 1.0)
+    return counts, entropy, seq_aux
+
+
+class MoE(nnx.Module):
+    """Shared experts + routed experts with dropless sort-based dispatch; x [B, T, D] -> [B, T, D]."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, E, F = cfg.hidden_size, cfg.n_routed_experts, cfg.moe_intermediate_size
+        self.cfg = cfg
+        wdt = dtype_of(cfg.weight_dtype)
+        init = nnx.initializers.normal(cfg.initializer_range)
+        self.gate = nnx.Param(init(rngs.params(), (D, E), jnp.float32), sharding_names=("embed", None))
+        if cfg.topk_method == "noaux_tc":
+            self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32), sharding_names=(None,))
+        else:
+            self.e_score_correction_bias = None
+        self.gate_proj = nnx.Param(init(rngs.params(), (E, D, F), wdt), sharding_names=("experts", "embed", "mlp"))
+        self.up_proj = nnx.Param(init(rngs.params(), (E, D, F), wdt), sharding_names=("experts", "embed", "mlp"))
+        self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), wdt), sharding_names=("experts", "mlp", "embed"))
+        self.shared_experts = MLP(cfg, F * cfg.n_shared_experts, rngs=rngs) if cfg.n_shared_experts else None
+
+    def __call__(self, x, token_mask):
+        """x [B, T, D]; token_mask [B, T] bool -> (y [B, T, D], stats dict)."""
+        c = self.cfg
+        B, T, D = x.shape
+        dt = dtype_of(c.dtype)
+        xt = x.reshape(B * T, D)
+        logits = jnp.dot(xt.astype(jnp.float32), self.gate[...].astype(jnp.float32))
+        bias = (self.e_score_correction_bias[...] if self.e_score_correction_bias is not None
+                else jnp.zeros((c.n_routed_experts,), jnp.float32))
+        ids, weights, scores = route(logits, bias, c)
+        xs, group_sizes, perm = permute(xt.astype(dt), ids, num_experts=c.n_routed_experts, impl=c.moe_impl)
+        g = grouped_matmul(xs, self.gate_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        u = grouped_matmul(xs, self.up_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        h = jax.nn.silu(g) * u
+        y = grouped_matmul(h, self.down_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        out = unpermute(y, perm, weights, impl=c.moe_impl).reshape(B, T, D)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        counts, entropy, seq_aux = balance_stats(ids, scores, token_mask.reshape(-1), c, (B, T))
+        return out.astype(dt), {"expert_counts": counts, "router_entropy": entropy, "seq_aux": seq_aux}
+
+
+def update_router_bias(bias, counts, rate):
+    """noaux_tc bias step: b_e += rate * sign(mean load - load_e) (DeepSeek-V3 sec. 2.1.2).
+
+    bias: [..., E] fp32; counts: [..., E] routed real tokens per expert. Returns the new bias.
+    """
+    mean = jnp.mean(counts, axis=-1, keepdims=True)
+    return bias + rate * jnp.sign(mean - counts)

@@ -1,0 +1,169 @@
+"""The DeepSeek decoder: embedding, stacked dense and MoE layers run with `jax.lax.scan`, final norm,
+lm_head; plus the MLA latent-cache decode step used by generation.
+
+Legend: B batch, T tokens, D hidden_size, V vocab_size, L layers, E experts, C kv_lora_rank,
+R qk_rope_head_dim. Layer N is dense iff N < first_k_dense_replace (HF `DeepseekV3DecoderLayer`).
+Dense and MoE layers are two stacks with a leading `layers` axis.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import ModelConfig
+from dsjax.model.layers import MLA, MLP, Linear, RMSNorm, dtype_of
+from dsjax.model.moe import MoE
+from dsjax.model.rope import inv_freq_and_attention_factor, rope_cos_sin, softmax_scale
+from pallas_kernels.flash_attention.reference import attention_reference
+
+REMAT_POLICIES = {
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+}
+
+
+class DecoderLayer(nnx.Module):
+    """h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
+
+    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
+        self.self_attn = MLA(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
+        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
+        self.is_moe = moe
+
+    def __call__(self, h, cos, sin, segment_ids, scale):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, segment_ids, scale)
+        x = self.post_attention_layernorm(h)
+        if self.is_moe:
+            y, stats = self.mlp(x, segment_ids > 0)
+        else:
+            y, stats = self.mlp(x), {}
+        return h + y, stats
+
+
+def _stack(cfg: ModelConfig, n: int, moe: bool, rngs: nnx.Rngs):
+    if n == 0:
+        return None
+
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=0, out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+        return DecoderLayer(cfg, moe, rngs=r)
+
+    return make(rngs)
+
+
+class DeepSeekModel(nnx.Module):
+    """DeepSeek V2/V3 causal LM. `__call__(tokens, positions, segment_ids) -> (logits, aux)`."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        self.cfg = cfg
+        init = nnx.initializers.normal(cfg.initializer_range)
+        wdt = dtype_of(cfg.weight_dtype)
+        self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), wdt),
+                                      sharding_names=("vocab", "embed"))
+        self.dense_layers = _stack(cfg, cfg.first_k_dense_replace, False, rngs)
+        self.moe_layers = _stack(cfg, cfg.num_moe_layers, True, rngs)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(
+            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, rngs=rngs)
+        inv_freq, attn_factor = inv_freq_and_attention_factor(cfg)
+        self.inv_freq = tuple(float(f) for f in inv_freq)  # static constants (float32-exact), not state
+        self.attn_factor = attn_factor
+        self.scale = softmax_scale(cfg)
+
+    # -- training / scoring --------------------------------------------------------------------
+    def _run_stack(self, stack, h, cos, sin, segment_ids):
+        graphdef, state = nnx.split(stack)
+
+        def body(carry, layer_state):
+            layer = nnx.merge(graphdef, layer_state)
+            out, stats = layer(carry, cos, sin, segment_ids, self.scale)
+            return out, stats
+
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
+        return jax.lax.scan(body, h, state)
+
+    def embed(self, tokens):
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype_of(self.cfg.dtype))
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None):
+        """tokens [B, T] int32 -> (final normed hidden [B, T, D] in compute dtype, aux dict)."""
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attn_factor)
+        h = self.embed(tokens)
+        aux = {}
+        if self.dense_layers is not None:
+            h, _ = self._run_stack(self.dense_layers, h, cos, sin, segment_ids)
+        if self.moe_layers is not None:
+            h, stats = self._run_stack(self.moe_layers, h, cos, sin, segment_ids)
+            aux = stats  # each [L_moe, ...]
+        return self.norm(h), aux
+
+    def logits(self, h):
+        """h [B, T, D] -> logits [B, T, V] in the compute dtype (HF does not upcast)."""
+        if self.lm_head is None:
+            return jnp.dot(h, self.embed_tokens[...].astype(h.dtype).T)
+        return self.lm_head(h)
+
+    def __call__(self, tokens, positions=None, segment_ids=None):
+        h, aux = self.hidden_states(tokens, positions, segment_ids)
+        return self.logits(h), aux
+
+    # -- generation with the MLA latent cache --------------------------------------------------
+    def init_cache(self, batch: int, max_len: int):
+        """Zeroed cache: per layer the normed latent c_kv [L, B, S, C] and roped k_rope [L, B, S, R]."""
+        c, dt = self.cfg, dtype_of(self.cfg.dtype)
+        L = c.num_hidden_layers
+        return {"c_kv": jnp.zeros((L, batch, max_len, c.kv_lora_rank), dt),
+                "k_rope": jnp.zeros((L, batch, max_len, c.qk_rope_head_dim), dt)}
+
+    def decode(self, tokens, cache, start):
+        """Run tokens [B, t] at positions start..start+t-1 against the cache (prefill or one step).
+
+        Attention uses only the cached latent (c_kv, k_rope) expanded through kv_b_proj, never
+        stored K/V. Returns (logits [B, t, V], new cache).
+        """
+        B, t = tokens.shape
+        positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attn_factor)
+        h = self.embed(tokens)
+        ones = jnp.ones((B, t), bool)
+        new_c, new_r = [], []
+        li = 0
+        for stack in (self.dense_layers, self.moe_layers):
+            if stack is None:
+                continue
+            graphdef, state = nnx.split(stack)
+
+            def body(carry, xs):
+                layer_state, c_kv_l, k_rope_l = xs
+                layer = nnx.merge(graphdef, layer_state)
+                attn = layer.self_attn
+                x = layer.input_layernorm(carry)
+                q = attn.queries(x, cos, sin)
+                c_new, r_new = attn.latent(x, cos, sin)
+                c_kv_l = jax.lax.dynamic_update_slice_in_dim(c_kv_l, c_new.astype(c_kv_l.dtype), start, 1)
+                k_rope_l = jax.lax.dynamic_update_slice_in_dim(k_rope_l, r_new.astype(k_rope_l.dtype), start, 1)
+                k, v = attn.expand_kv(c_kv_l, k_rope_l)
+                # causal on absolute positions; unwritten slots (> start + t - 1) are masked too
+                o = attention_reference(q, k, v, causal=True, scale=self.scale, q_offset=start)
+                carry = carry + attn.o_proj(o.reshape(B, t, -1))
+                y = layer.post_attention_layernorm(carry)
+                y = layer.mlp(y, ones)[0] if layer.is_moe else layer.mlp(y)
+                return carry + y, (c_kv_l, k_rope_l)
+
+            n = jax.tree.leaves(state)[0].shape[0]
+            h, (c_l, r_l) = jax.lax.scan(body, h, (state, cache["c_kv"][li:li + n], cache["k_rope"][li:li + n]))
+            new_c.append(c_l)
+            new_r.append(r_l)
+            li += n
+        cache = {"c_kv": jnp.concatenate(new_c, 0), "k_rope": jnp.concatenate(new_r, 0)}
+        return self.logits(self.norm(h)), cache

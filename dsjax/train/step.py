@@ -1,0 +1,169 @@
+"""Functional train and eval steps over the split model state.
+
+The train state is a pytree of plain dicts:
+  params   nnx.Param leaves as a pure dict (fp32 master weights)
+  rest     non-parameter state (noaux_tc router biases [L_moe, E]), updated outside the optimizer
+  opt      optax state;  step  int32 optimizer steps taken
+  loss_scale, good_steps   dynamic loss scaling (fp16 compute only; 1.0 otherwise)
+  skipped  updates skipped for non-finite gradients;  nonfinite_step  first such step, or -1
+
+A batch holds `inputs, targets, loss_mask, segment_ids, positions`, each [A, B, T] where A is
+train.grad_accum (micro-batches scanned). The loss is the fp32 cross-entropy summed over real
+target tokens of all micro-batches divided by their count (../shared/cases case 8), plus the
+MoE sequence-wise balance loss (weight model.aux_loss_alpha) averaged over micro-batches.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from dsjax.config import Config
+from dsjax.model import DeepSeekModel
+from dsjax.model.moe import update_router_bias
+
+GROWTH_INTERVAL = 2000  # finite fp16 steps before the loss scale doubles
+INITIAL_SCALE = 2.0 ** 15
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelFns:
+    """Closures over one model's graph: rebuild the module from pure dicts inside `jit`."""
+
+    graphdef: Any
+    abstract_params: Any
+    abstract_rest: Any
+
+    def merge(self, params, rest) -> DeepSeekModel:
+        ps = jax.tree.map(lambda x: x, self.abstract_params)
+        nnx.replace_by_pure_dict(ps, params)
+        rs = jax.tree.map(lambda x: x, self.abstract_rest)
+        nnx.replace_by_pure_dict(rs, rest)
+        return nnx.merge(self.graphdef, ps, rs)
+
+
+def init_model(cfg: Config, seed: int | None = None):
+    """Create the model; returns (ModelFns, params pure dict, rest pure dict)."""
+    model = DeepSeekModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed if seed is None else seed))
+    graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
+    fns = ModelFns(graphdef, jax.eval_shape(lambda: ps), jax.eval_shape(lambda: rs))
+    return fns, ps.to_pure_dict(), rs.to_pure_dict()
+
+
+def init_state(params, rest, tx: optax.GradientTransformation) -> dict:
+    return {
+        "params": params,
+        "rest": rest,
+        "opt": tx.init(params),
+        "step": jnp.zeros((), jnp.int32),
+        "loss_scale": jnp.asarray(1.0, jnp.float32),
+        "good_steps": jnp.zeros((), jnp.int32),
+        "skipped": jnp.zeros((), jnp.int32),
+        "nonfinite_step": jnp.asarray(-1, jnp.int32),
+    }
+
+
+def cross_entropy(logits, targets, mask):
+    """Sum of fp32 token NLL over mask, and the mask count. logits [B, T, V]; targets/mask [B, T]."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    nll = -jnp.take_along_axis(logp, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    mask = mask.astype(jnp.float32)
+    return jnp.sum(nll * mask), jnp.sum(mask)
+
+
+def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation,
+                    schedule: Callable) -> Callable:
+    """Returns `train_step(state, batch) -> (state, metrics)` (to be jitted with donated state)."""
+    mcfg = cfg.model
+    fp16 = mcfg.dtype == "float16"
+    n_accum = cfg.train.grad_accum
+    has_moe = mcfg.num_moe_layers > 0
+    noaux = has_moe and mcfg.topk_method == "noaux_tc"
+
+    def micro_loss(params, rest, mb, n_total, scale):
+        model = fns.merge(params, rest)
+        logits, aux = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+        nll_sum, _ = cross_entropy(logits, mb["targets"], mb["loss_mask"])
+        obj = nll_sum / n_total
+        if has_moe and mcfg.aux_loss_alpha > 0:
+            obj = obj + mcfg.aux_loss_alpha * jnp.sum(aux["seq_aux"]) / n_accum
+        return obj * scale, (nll_sum, aux)
+
+    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+    def train_step(state, batch):
+        params, rest = state["params"], state["rest"]
+        scale = state["loss_scale"] if fp16 else jnp.asarray(1.0, jnp.float32)
+        n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+
+        def body(carry, mb):
+            g_acc, nll_acc, aux_acc = carry
+            (_, (nll_sum, aux)), g = grad_fn(params, rest, mb, n_total, scale)
+            g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
+            aux_acc = jax.tree.map(lambda a, b: a + b, aux_acc, aux)
+            return (g_acc, nll_acc + nll_sum, aux_acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        aux0 = {}
+        if has_moe:
+            L, E = mcfg.num_moe_layers, mcfg.n_routed_experts
+            aux0 = {"expert_counts": jnp.zeros((L, E)), "router_entropy": jnp.zeros((L,)),
+                    "seq_aux": jnp.zeros((L,))}
+        (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
+        grads = jax.tree.map(lambda g: g / scale, grads)
+        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        grad_norm = optax.global_norm(grads)
+        safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+        updates, new_opt = tx.update(safe_grads, state["opt"], params)
+        new_params = optax.apply_updates(params, updates)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        new_state = dict(state)
+        new_state["params"] = keep(new_params, params)
+        new_state["opt"] = keep(new_opt, state["opt"])
+        new_state["step"] = state["step"] + finite.astype(jnp.int32)
+        if noaux:
+            bias = rest["moe_layers"]["mlp"]["e_score_correction_bias"]
+            new_bias = update_router_bias(bias, aux["expert_counts"], mcfg.router_bias_update_rate)
+            new_rest = jax.tree.map(lambda x: x, rest)
+            new_rest["moe_layers"]["mlp"]["e_score_correction_bias"] = jnp.where(finite, new_bias, bias)
+            new_state["rest"] = new_rest
+        new_state["skipped"] = state["skipped"] + (~finite).astype(jnp.int32)
+        new_state["nonfinite_step"] = jnp.where(
+            (state["nonfinite_step"] < 0) & ~finite, state["step"], state["nonfinite_step"])
+        if fp16:
+            good = jnp.where(finite, state["good_steps"] + 1, 0)
+            grow = good >= GROWTH_INTERVAL
+            new_state["loss_scale"] = jnp.where(finite, jnp.where(grow, scale * 2.0, scale), scale * 0.5)
+            new_state["good_steps"] = jnp.where(grow, 0, good)
+        metrics = {
+            "loss": nll_sum / n_total,
+            "tokens": n_total,
+            "grad_norm": grad_norm,
+            "lr": schedule(state["step"]),
+            "finite": finite,
+            "loss_scale": scale,
+            "skipped": new_state["skipped"],
+        }
+        if has_moe:
+            counts = aux["expert_counts"]
+            metrics["expert_load_max_over_mean"] = jnp.max(counts, -1) / jnp.maximum(jnp.mean(counts, -1), 1e-9)
+            metrics["router_entropy"] = aux["router_entropy"] / n_accum
+            metrics["seq_aux"] = aux["seq_aux"] / n_accum
+        return new_state, metrics
+
+    return train_step
+
+
+def make_eval_step(cfg: Config, fns: ModelFns) -> Callable:
+    """`eval_step(params, rest, batch [B, T] arrays) -> (nll_sum, n_tokens)` in fp32."""
+
+    def eval_step(params, rest, batch):
+        model = fns.merge(params, rest)
+        logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
+        return cross_entropy(logits, batch["targets"], batch["loss_mask"])
+
+    return eval_step
