@@ -1,0 +1,19 @@
+"""Data: the stdlib / user corpus, a cached byte-level BPE tokenizer, a packed resumable loader.
+
+Typical wiring::
+
+    files = corpus.stdlib_files()
+    train_files, val_files = corpus.split_files(files, val_fraction=0.02, seed=0)
+    tok = tokenizer.load_or_train(cache_dir, vocab_size, corpus.Documents(train_files))
+    train = loader.PackedLoader(corpus.Documents(train_files), tok, batch_size, seq_len, seed)
+    val = loader.PackedLoader(corpus.Documents(val_files), tok, batch_size, seq_len, seed,
+                              shuffle=False).iter_epoch_once(max_batches=...)
+"""
+from dsjax.data.corpus import (Documents, expand_sources, iter_documents, read_text,
+                               resolve_sources, split_files, stdlib_files, stdlib_root)
+from dsjax.data.loader import PackedLoader, pack_rows
+from dsjax.data.tokenizer import Tok, fingerprint_files, load_or_train, train_bpe, wrap
+
+__all__ = ["Documents", "expand_sources", "iter_documents", "read_text", "resolve_sources",
+           "split_files", "stdlib_files", "stdlib_root", "PackedLoader", "pack_rows", "Tok",
+           "fingerprint_files", "load_or_train", "train_bpe", "wrap"]
