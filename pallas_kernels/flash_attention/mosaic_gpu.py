@@ -1,0 +1,764 @@
+"""Flash attention forward and backward for Hopper in Pallas Mosaic GPU (TMA, wgmma, warp
+specialisation), for MLA shapes (Dqk != Dv) and equal head dims.
+
+Legend: B batch, T/S query/key length (Tp/Sp padded to the CTA tile), N query heads, K kv heads,
+G = N // K, Dqk q/k head dim, Dv value head dim, bq/bkv tile rows.
+
+Maths: FlashAttention-2 online softmax and its backward (Dao 2023, arXiv 2307.08691, Alg. 1-2),
+with the FlashAttention-3 layout (Shah et al. 2024, arXiv 2407.08608, sec. 3.1): one TMA
+producer warpgroup, two consumer warpgroups that each own a 64-row tile, a "ping-pong" schedule
+barrier in the forward pass. Softmax runs in base 2: s2 = s * scale * log2(e), lse2 = m2 + log2(l).
+
+Masking: the wrapper computes, for every 64-row tile, the range of column blocks that can hold
+an unmasked entry [lo, hi) and the sub-range that needs no element mask [mlo, mhi) (causal,
+ragged lengths, segment min/max); fully masked tiles are never loaded nor computed. The CTA
+(two tiles) streams the union [L, H) of its tiles' ranges; a warpgroup outside its own range
+only keeps the barriers in step ("skip" steps).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+LOG2E = math.log2(math.e)
+_WGMMA = plgpu.Layout.WGMMA
+_ROW = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a [rows, cols] WGMMA tile
+_COL = plgpu.Layout.WGMMA.reduce(0)   # one value per column
+_M_INIT = -1e30                       # finite running-max start: no inf - inf on empty rows
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """Tile sizes. Rows per compute warpgroup are 64 (one wgmma M tile); two warpgroups per CTA."""
+    block_q: int = 64        # forward / dq: query rows per warpgroup
+    block_kv: int = 128      # forward: keys per pipeline step
+    stages: int = 2          # forward: K/V pipeline depth
+    block_kv_dq: int = 64    # dq kernel: keys per step
+    block_kv_dkv: int = 64   # dkv kernel: key rows per warpgroup
+    block_q_dkv: int = 64    # dkv kernel: query rows per step
+    stages_bwd: int = 2
+
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def check_supported(q, k, v, cfg: Config = Config()):
+    """Raise ValueError for inputs the Mosaic kernels cannot take."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
+            raise ValueError(f"{name}.dtype={x.dtype}: the Mosaic GPU kernel takes bfloat16 or float16")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    Dqk, Dv = q.shape[-1], v.shape[-1]
+    for name, d in (("Dqk", Dqk), ("Dv", Dv)):
+        if d % 64 or d > 256:
+            raise ValueError(f"{name}={d}: the Mosaic GPU kernel takes head dims that are multiples"
+                             " of 64 and at most 256")
+
+
+# ----------------------------------------------------------------------------------------------
+# Tile ranges (plain jnp, runs in XLA before the kernels).
+# ----------------------------------------------------------------------------------------------
+
+def _seg_minmax(seg, n_real, block):
+    """Per-block min and max segment id over the real positions: [B, nblocks] each."""
+    Bn, P = seg.shape
+    pos = jnp.arange(P)
+    big = jnp.iinfo(jnp.int32).max
+    real = (pos < n_real)[None]
+    smin = jnp.where(real, seg, big).reshape(Bn, P // block, block).min(-1)
+    smax = jnp.where(real, seg, -big).reshape(Bn, P // block, block).max(-1)
+    return smin, smax
+
+
+def _tile_ranges(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q, T, S, causal,
+                 delta, q_seg, kv_seg):
+    """Column-block ranges per row tile and per CTA (two row tiles).
+
+    Returns wg_bounds [B, n_row_tiles, 4] int32 = (lo, mlo, mhi, hi) and cta_bounds
+    [B, n_row_tiles // 2, 2] int32 = (L, H), with L <= lo <= mlo <= mhi <= hi <= H. Columns in
+    [lo, mlo) and [mhi, hi) need the element mask; [mlo, mhi) need none.
+    """
+    nr, nc = n_rows_p // row_block, n_cols_p // col_block
+    r = jnp.arange(nr)[:, None]
+    c = jnp.arange(nc)[None, :]
+    if rows_are_q:
+        q_lo, q_hi = r * row_block, r * row_block + row_block - 1
+        k_lo, k_hi = c * col_block, c * col_block + col_block - 1
+        q_real, k_real = q_lo < T, k_lo < S
+        no_pad = k_hi < S        # padded keys must be masked; padded queries are harmless
+    else:
+        k_lo, k_hi = r * row_block, r * row_block + row_block - 1
+        q_lo, q_hi = c * col_block, c * col_block + col_block - 1
+        q_real, k_real = q_lo < T, k_lo < S
+        no_pad = jnp.ones_like(k_real)
+    nonempty = q_real & k_real
+    full = no_pad
+    if causal:
+        nonempty = nonempty & (k_lo <= q_hi + delta)
+        full = full & (k_hi <= q_lo + delta)
+    nonempty = jnp.broadcast_to(nonempty, (B, nr, nc))
+    full = jnp.broadcast_to(full, (B, nr, nc))
+    if q_seg is not None:
+        qmin, qmax = _seg_minmax(q_seg, T, row_block if rows_are_q else col_block)
+        kmin, kmax = _seg_minmax(kv_seg, S, col_block if rows_are_q else row_block)
+        if rows_are_q:
+            meet = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])
+        else:
+            meet = (kmin[:, :, None] <= qmax[:, None, :]) & (qmin[:, None, :] <= kmax[:, :, None])
+        nonempty = nonempty & meet
+        full = jnp.zeros_like(full)
+    full = full & nonempty
+    idx = jnp.arange(nc)
+    any_ne = nonempty.any(-1)
+    lo = jnp.where(any_ne, jnp.argmax(nonempty, -1), 0)
+    hi = jnp.where(any_ne, nc - jnp.argmax(nonempty[..., ::-1], -1), 0)
+    in_rng = (idx >= lo[..., None]) & (idx < hi[..., None])
+    f = full & in_rng
+    mlo = jnp.where(f.any(-1), jnp.argmax(f, -1), hi)
+    after = (~f) & (idx >= mlo[..., None]) & in_rng
+    mhi = jnp.where(after.any(-1), jnp.argmax(after, -1), hi)
+    mhi = jnp.maximum(mhi, mlo)
+    # CTA union over its two row tiles (empty tiles do not count).
+    ne2 = any_ne.reshape(B, nr // 2, 2)
+    big = nc + 1
+    L = jnp.where(ne2, lo.reshape(B, nr // 2, 2), big).min(-1)
+    H = jnp.where(ne2, hi.reshape(B, nr // 2, 2), -1).max(-1)
+    L = jnp.where(ne2.any(-1), L, 0)
+    H = jnp.where(ne2.any(-1), H, 0)
+    Lr = jnp.repeat(L, 2, axis=-1)
+    lo, mlo, mhi, hi = (jnp.where(any_ne, x, Lr) for x in (lo, mlo, mhi, hi))
+    wg = jnp.stack([lo, mlo, mhi, hi], -1).astype(jnp.int32)
+    cta = jnp.stack([L, H], -1).astype(jnp.int32)
+    return wg, cta
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared in-kernel helpers.
+# ----------------------------------------------------------------------------------------------
+
+def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False):
+    """wgmma a @ b into a fresh fp32 [shape] accumulator, plus `acc` if given.
+
+    `a` may be a register array (a_in_regs; compiled: wgmma's A-from-registers form). GPU
+    interpret mode only reads wgmma operands from SMEM, so there `a` is first stored to `stage`.
+    """
+    if interpret and a_in_regs:
+        stage[...] = a
+        a = stage
+    if acc is not None and not interpret:
+        def body(acc_ref):
+            plgpu.wgmma(acc_ref, a, b)
+        return pl.run_state(body)(plgpu.ACC.init(acc))
+
+    def body(acc_ref):
+        plgpu.wgmma(acc_ref, a, b)
+        return acc_ref[...]
+    out = pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
+    return out if acc is None else acc + out
+
+
+def _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry):
+    """Run skip over [L, lo), step(masked=True) over [lo, mlo), step(masked=False) over
+    [mlo, mhi), step(masked=True) over [mhi, hi) and skip over [hi, H)."""
+    def sk(i, c):
+        skip(i)
+        return c
+    carry = lax.fori_loop(L, lo, sk, carry)
+    carry = lax.fori_loop(lo, mlo, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(mlo, mhi, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(mhi, hi, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(hi, H, sk, carry)
+    return carry
+
+
+def _iota(shape, dim):
+    return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA)
+
+
+def _tiled(shape, dtype):
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
+                                                plgpu.SwizzleTransform(128)))
+
+
+def _compiler_params():
+    return plgpu.CompilerParams(approx_math=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward.
+# ----------------------------------------------------------------------------------------------
+
+def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, S, cfg: Config,
+             interpret):
+    """q [B, Tp, N, Dqk], k [B, Sp, K, Dqk], v [B, Sp, K, Dv] -> o [B, Tp, N, Dv],
+    lse2 [B, N, Tp] fp32 (base-2 log-sum-exp of scale * q k^T; -inf on fully masked rows)."""
+    B, Tp, N, Dqk = q.shape
+    Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = N // K
+    bq, bkv, stages = cfg.block_q, cfg.block_kv, cfg.stages
+    dtype = q.dtype
+    has_seg = q_seg is not None
+    c2 = scale * LOG2E
+    union_o = Dv <= Dqk and (bq * Dqk) % Dv == 0 and ((bq * Dqk) // Dv) % 8 == 0
+
+    def kernel(q_ref, k_ref, v_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
+               scoped):
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        qt = lax.axis_index("qt")
+        wg = lax.axis_index("wg")
+        (qo_smems, k_smems, v_smems, lse_smems, stage_smems), (k_bar, v_bar, q_bar), \
+            (k_cons, v_cons), sched = scoped
+        q_smems, o_smems = qo_smems
+        L = ctab_ref[b, qt, 0]
+        H = ctab_ref[b, qt, 1]
+
+        def sync():
+            plgpu.barrier_arrive(sched)
+            plgpu.barrier_wait(sched)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            tile = 2 * qt + wg
+            q_base = tile * bq
+            q_smem = q_smems.at[wg]
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], q_smem, q_bar.at[wg])
+            lo = wgb_ref[b, tile, 0]
+            mlo = wgb_ref[b, tile, 1]
+            mhi = wgb_ref[b, tile, 2]
+            hi = wgb_ref[b, tile, 3]
+            dl = dl_ref[0]
+            if has_seg:
+                qseg = plgpu.load(qseg_ref.at[b, pl.ds(q_base, bq)], layout=_ROW, optimized=False)
+            acc = plgpu.layout_cast(jnp.zeros((bq, Dv), jnp.float32), _WGMMA)
+            m_i = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), _ROW)
+            l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
+            plgpu.barrier_wait(q_bar.at[wg])
+            pl.when(wg == 1)(sync)
+
+            def step(ki, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smems.at[slot].T)
+                    plgpu.barrier_arrive(sched)
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_cons.at[slot])
+                plgpu.barrier_wait(sched)
+                s = s * c2
+                if masked:
+                    kv_pos = ki * bkv + _iota((bq, bkv), 1)
+                    ok = kv_pos < S
+                    if causal:
+                        ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
+                    if has_seg:
+                        kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=_COL,
+                                          optimized=False)
+                        ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
+                                   == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
+                    s = jnp.where(ok, s, -jnp.inf)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)
+                acc = _mm(p16, v_smems.at[slot], (bq, Dv), acc, interpret=interpret, a_in_regs=True,
+                          stage=None if stage_smems is None else stage_smems.at[wg])
+                plgpu.barrier_arrive(v_cons.at[slot])
+                return acc, m_new, l_i
+
+            def skip(ki):
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_arrive(k_cons.at[slot])
+                sync()
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_cons.at[slot])
+                sync()
+
+            acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, (acc, m_i, l_i))
+            pl.when(wg == 0)(sync)
+            empty = l_i == 0.0
+            inv = 1.0 / jnp.where(empty, 1.0, l_i)
+            acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
+            lse_smem = lse_smems.at[wg]
+            lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
+            o_smem = o_smems.at[wg, pl.ds(0, bq)] if union_o else o_smems.at[wg]
+            o_smem[...] = acc.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(o_smem, o_ref.at[b, pl.ds(q_base, bq), h])
+            plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kvh = lax.div(h, jnp.int32(G))
+
+            def load(ki, slot):
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+
+            for i in range(stages):
+                @pl.when(L + i < H)
+                def _():
+                    load(L + i, i)
+
+            @pl.loop(L + stages, H)
+            def _(ki):
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+
+            @pl.loop(jnp.maximum(H - stages, L), H)
+            def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+
+    def entry(*refs):
+        q_s = _tiled((2, bq, Dqk), dtype)
+        if union_o:
+            qo = plgpu.RefUnion(q_s, _tiled((2, (bq * Dqk) // Dv, Dv), dtype))
+        else:
+            qo = (q_s, _tiled((2, bq, Dv), dtype))
+        stage = plgpu.SMEM((2, bq, bkv), dtype) if interpret else None
+        smems = (qo, _tiled((stages, bkv, Dqk), dtype), _tiled((stages, bkv, Dv), dtype),
+                 plgpu.SMEM((2, bq), jnp.float32), stage)
+        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=2))
+        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        sched = plgpu.Barrier(num_arrivals=2)
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons, sched,
+                      collective_axes="wg")
+
+    out_type = (jax.ShapeDtypeStruct((B, Tp, N, Dv), dtype),
+                jax.ShapeDtypeStruct((B, N, Tp), jnp.float32))
+    seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
+    return plgpu.kernel(
+        entry, out_type=out_type, grid=(N, Tp // (2 * bq), B), grid_names=("h", "qt", "b"),
+        num_threads=3, thread_name="wg", compiler_params=_compiler_params(),
+        interpret=interpret,
+    )(q, k, v, wgb, ctab, delta_arr, *seg_args)
+
+
+# ----------------------------------------------------------------------------------------------
+# Backward: dq kernel (rows = query tiles) and dk/dv kernel (rows = key tiles).
+# ----------------------------------------------------------------------------------------------
+
+def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
+                    causal, S, cfg: Config, interpret):
+    """dq [B, Tp, N, Dqk] = scale * sum_s dS[t, s] k[s], dS = P * (dP - dlt) (FA2 Alg. 2)."""
+    B, Tp, N, Dqk = q.shape
+    Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = N // K
+    bq, bkv, stages = cfg.block_q, cfg.block_kv_dq, cfg.stages_bwd
+    dtype = q.dtype
+    has_seg = q_seg is not None
+    c2 = scale * LOG2E
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
+               kseg_ref, dq_ref, scoped):
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        qt = lax.axis_index("qt")
+        wg = lax.axis_index("wg")
+        (q_smems, do_smems, k_smems, v_smems, stage_smems), (k_bar, v_bar, q_bar, do_bar), \
+            (k_cons, v_cons) = scoped
+        L = ctab_ref[b, qt, 0]
+        H = ctab_ref[b, qt, 1]
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            tile = 2 * qt + wg
+            q_base = tile * bq
+            q_smem, do_smem = q_smems.at[wg], do_smems.at[wg]
+            stage = None if stage_smems is None else stage_smems.at[wg]
+            qs = pl.ds(q_base, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smem, do_bar.at[wg])
+            lo, mlo, mhi, hi = (wgb_ref[b, tile, i] for i in range(4))
+            dl = dl_ref[0]
+            lse = plgpu.load(lse_ref.at[b, h, qs], layout=_ROW, optimized=False)
+            dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_ROW, optimized=False)
+            if has_seg:
+                qseg = plgpu.load(qseg_ref.at[b, qs], layout=_ROW, optimized=False)
+            dq = plgpu.layout_cast(jnp.zeros((bq, Dqk), jnp.float32), _WGMMA)
+            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(do_bar.at[wg])
+
+            def step(ki, dq, *, masked):
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = _mm(q_smem, k_smems.at[slot].T, (bq, bkv), interpret=interpret)
+                p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                if masked:
+                    kv_pos = ki * bkv + _iota((bq, bkv), 1)
+                    ok = kv_pos < S
+                    if causal:
+                        ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
+                    if has_seg:
+                        kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=_COL,
+                                          optimized=False)
+                        ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
+                                   == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
+                    p = jnp.where(ok, p, 0.0)
+                plgpu.barrier_wait(v_bar.at[slot])
+                dp = _mm(do_smem, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
+                plgpu.barrier_arrive(v_cons.at[slot])
+                ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
+                dq = _mm(ds.astype(dtype), k_smems.at[slot], (bq, Dqk), dq, interpret=interpret,
+                         stage=stage, a_in_regs=True)
+                plgpu.barrier_arrive(k_cons.at[slot])
+                return dq
+
+            def skip(ki):
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_cons.at[slot])
+                plgpu.barrier_arrive(k_cons.at[slot])
+
+            dq = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, dq)
+            q_smem[...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, qs, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kvh = lax.div(h, jnp.int32(G))
+
+            def load(ki, slot):
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+
+            for i in range(stages):
+                @pl.when(L + i < H)
+                def _():
+                    load(L + i, i)
+
+            @pl.loop(L + stages, H)
+            def _(ki):
+                slot = lax.rem(ki - L, stages)
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+
+            @pl.loop(jnp.maximum(H - stages, L), H)
+            def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+
+    def entry(*refs):
+        stage = plgpu.SMEM((2, bq, bkv), dtype) if interpret else None
+        smems = (_tiled((2, bq, Dqk), dtype), _tiled((2, bq, Dv), dtype),
+                 _tiled((stages, bkv, Dqk), dtype), _tiled((stages, bkv, Dv), dtype), stage)
+        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
+                      collective_axes="wg")
+
+    seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
+    return plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(N, Tp // (2 * bq), B),
+        grid_names=("h", "qt", "b"), num_threads=3, thread_name="wg",
+        compiler_params=_compiler_params(), interpret=interpret,
+    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
+
+
+def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
+                     causal, cfg: Config, interpret):
+    """dk [B, Sp, K, Dqk] = scale * sum_{g, t} dS^T k-row, dv [B, Sp, K, Dv] = sum P^T dO, summed
+    over the G query heads of each kv head inside the kernel (FA2 Alg. 2, transposed tiles)."""
+    B, Tp, N, Dqk = q.shape
+    Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = N // K
+    bkv, bq, stages = cfg.block_kv_dkv, cfg.block_q_dkv, cfg.stages_bwd
+    dtype = q.dtype
+    has_seg = q_seg is not None
+    c2 = scale * LOG2E
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
+               kseg_ref, dk_ref, dv_ref, scoped):
+        b = lax.axis_index("b")
+        kvh = lax.axis_index("h")
+        kt = lax.axis_index("kt")
+        wg = lax.axis_index("wg")
+        (k_smems, v_smems, q_smems, do_smems, stage_smems), (q_bar, do_bar, k_bar, v_bar), \
+            (q_cons, do_cons) = scoped
+        L = ctab_ref[b, kt, 0]
+        H = ctab_ref[b, kt, 1]
+        n_c = H - L
+        n_c1 = jnp.maximum(n_c, 1)
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            tile = 2 * kt + wg
+            kv_base = tile * bkv
+            ks = pl.ds(kv_base, bkv)
+            k_smem, v_smem = k_smems.at[wg], v_smems.at[wg]
+            stage = None if stage_smems is None else stage_smems.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smem, k_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smem, v_bar.at[wg])
+            lo, mlo, mhi, hi = (wgb_ref[b, tile, i] for i in range(4))
+            dl = dl_ref[0]
+            if has_seg:
+                kseg = plgpu.load(kseg_ref.at[b, ks], layout=_ROW, optimized=False)
+            dk = plgpu.layout_cast(jnp.zeros((bkv, Dqk), jnp.float32), _WGMMA)
+            dv = plgpu.layout_cast(jnp.zeros((bkv, Dv), jnp.float32), _WGMMA)
+            plgpu.barrier_wait(k_bar.at[wg])
+            plgpu.barrier_wait(v_bar.at[wg])
+
+            def head(g, carry):
+                h = kvh * G + g
+
+                def step(c, carry, *, masked):
+                    dk, dv = carry
+                    slot = lax.rem(g * n_c + c - L, stages)
+                    qs = pl.ds(c * bq, bq)
+                    plgpu.barrier_wait(q_bar.at[slot])
+                    sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret)
+                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
+                    if masked:
+                        ok = None
+                        if causal:
+                            ok = (kv_base + _iota((bkv, bq), 0)) <= (c * bq + _iota((bkv, bq), 1) + dl)
+                        if has_seg:
+                            qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
+                            same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
+                                    == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
+                            ok = same if ok is None else ok & same
+                        if ok is not None:
+                            pT = jnp.where(ok, pT, 0.0)
+                    plgpu.barrier_wait(do_bar.at[slot])
+                    dv = _mm(pT.astype(dtype), do_smems.at[slot], (bkv, Dv), dv,
+                             interpret=interpret, stage=stage, a_in_regs=True)
+                    dpT = _mm(v_smem, do_smems.at[slot].T, (bkv, bq), interpret=interpret)
+                    plgpu.barrier_arrive(do_cons.at[slot])
+                    dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
+                    dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
+                             interpret=interpret, stage=stage, a_in_regs=True)
+                    plgpu.barrier_arrive(q_cons.at[slot])
+                    return dk, dv
+
+                def skip(c):
+                    slot = lax.rem(g * n_c + c - L, stages)
+                    plgpu.barrier_wait(q_bar.at[slot])
+                    plgpu.barrier_wait(do_bar.at[slot])
+                    plgpu.barrier_arrive(do_cons.at[slot])
+                    plgpu.barrier_arrive(q_cons.at[slot])
+
+                return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry)
+
+            dk, dv = lax.fori_loop(0, G, head, (dk, dv))
+            k_smem[...] = (dk * scale).astype(dtype)
+            v_smem[...] = dv.astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, ks, kvh])
+            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, ks, kvh])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            n = G * n_c
+
+            def load(j, slot):
+                g = lax.div(j, n_c1)
+                c = L + lax.rem(j, n_c1)
+                h = kvh * G + g
+                qs = pl.ds(c * bq, bq)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
+
+            for i in range(stages):
+                @pl.when(i < n)
+                def _():
+                    load(jnp.int32(i), i)
+
+            @pl.loop(stages, n)
+            def _(j):
+                slot = lax.rem(j, stages)
+                g = lax.div(j, n_c1)
+                c = L + lax.rem(j, n_c1)
+                h = kvh * G + g
+                qs = pl.ds(c * bq, bq)
+                plgpu.barrier_wait(q_cons.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
+                plgpu.barrier_wait(do_cons.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
+
+            @pl.loop(jnp.maximum(n - stages, 0), n)
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(q_cons.at[slot])
+                plgpu.barrier_wait(do_cons.at[slot])
+
+    def entry(*refs):
+        stage = plgpu.SMEM((2, bkv, bq), dtype) if interpret else None
+        smems = (_tiled((2, bkv, Dqk), dtype), _tiled((2, bkv, Dv), dtype),
+                 _tiled((stages, bq, Dqk), dtype), _tiled((stages, bq, Dv), dtype), stage)
+        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
+                      collective_axes="wg")
+
+    seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
+    return plgpu.kernel(
+        entry, out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
+        grid=(K, Sp // (2 * bkv), B), grid_names=("h", "kt", "b"), num_threads=3,
+        thread_name="wg", compiler_params=_compiler_params(), interpret=interpret,
+    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
+
+
+def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, interpret):
+    """dq, dk, dv from the forward residuals. dlse (cotangent of the natural lse) enters as
+    dS = P * (dP - (rowsum(o * do) - dlse))."""
+    B, T, N, _ = q.shape
+    qp, kp, vp, q_seg, kv_seg, delta, T, S, Tp, Sp = _prepare(q, k, v, segs, offsets,
+                                                              causal=causal, cfg=cfg)
+    dlt = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+    if dlse is not None:
+        dlt = dlt - dlse.astype(jnp.float32)
+    dlt = _pad_to(dlt, 2, Tp)
+    lse_b = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)     # fully masked rows: P = 0
+    lse_b = _pad_to(lse_b, 2, Tp, value=jnp.inf)              # padded rows: P = 0
+    dop = _pad_to(do.astype(q.dtype), 1, Tp)
+    wgb, ctab = _fwd_ranges(B, Tp, Sp, T, S, causal, delta, q_seg, kv_seg, cfg, cfg.block_kv_dq)
+    dq = _dq_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb, ctab, delta, q_seg, kv_seg,
+                         scale=scale, causal=causal, S=S, cfg=cfg, interpret=interpret)
+    wgb2, ctab2 = _tile_ranges(B=B, n_rows_p=Sp, row_block=cfg.block_kv_dkv, n_cols_p=Tp,
+                               col_block=cfg.block_q_dkv, rows_are_q=False, T=T, S=S,
+                               causal=causal, delta=delta[0], q_seg=q_seg, kv_seg=kv_seg)
+    dk, dv = _dkv_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb2, ctab2, delta, q_seg, kv_seg,
+                              scale=scale, causal=causal, cfg=cfg, interpret=interpret)
+    return dq[:, :T], dk[:, :S], dv[:, :S]
+
+
+# ----------------------------------------------------------------------------------------------
+# Wrapper: padding, ranges, custom VJP.
+# ----------------------------------------------------------------------------------------------
+
+def _round_up(x, m):
+    return -(-x // m) * m
+
+
+def _pad_to(x, axis, size, value=0):
+    pad = size - x.shape[axis]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def _prepare(q, k, v, segs, offsets, *, causal, cfg):
+    B, T, N, _ = q.shape
+    S = k.shape[1]
+    tile_t = 2 * cfg.block_q
+    tile_s = max(cfg.block_kv, 2 * cfg.block_kv_dkv, cfg.block_kv_dq)
+    Tp, Sp = _round_up(T, tile_t), _round_up(S, tile_s)
+    qp, kp, vp = _pad_to(q, 1, Tp), _pad_to(k, 1, Sp), _pad_to(v, 1, Sp)
+    delta = (jnp.asarray(offsets[0], jnp.int32) - jnp.asarray(offsets[1], jnp.int32)).reshape(1)
+    if segs is not None:
+        q_seg = _pad_to(segs[0].astype(jnp.int32), 1, Tp)
+        kv_seg = _pad_to(segs[1].astype(jnp.int32), 1, Sp)
+    else:
+        q_seg = kv_seg = None
+    return qp, kp, vp, q_seg, kv_seg, delta, T, S, Tp, Sp
+
+
+def _fwd_ranges(B, Tp, Sp, T, S, causal, delta, q_seg, kv_seg, cfg, block_kv):
+    return _tile_ranges(B=B, n_rows_p=Tp, row_block=cfg.block_q, n_cols_p=Sp, col_block=block_kv,
+                        rows_are_q=True, T=T, S=S, causal=causal, delta=delta[0], q_seg=q_seg,
+                        kv_seg=kv_seg)
+
+
+def _attn_fwd_impl(q, k, v, segs, offsets, *, scale, causal, cfg, interpret):
+    qp, kp, vp, q_seg, kv_seg, delta, T, S, Tp, Sp = _prepare(q, k, v, segs, offsets,
+                                                              causal=causal, cfg=cfg)
+    wgb, ctab = _fwd_ranges(q.shape[0], Tp, Sp, T, S, causal, delta, q_seg, kv_seg, cfg,
+                            cfg.block_kv)
+    o, lse2 = _forward(qp, kp, vp, wgb, ctab, delta, q_seg, kv_seg, scale=scale, causal=causal,
+                       T=T, S=S, cfg=cfg, interpret=interpret)
+    return o[:, :T], lse2[:, :, :T]
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def _attention(q, k, v, segs, offsets, scale, causal, cfg, interpret):
+    o, lse2 = _attn_fwd_impl(q, k, v, segs, offsets, scale=scale, causal=causal, cfg=cfg,
+                             interpret=interpret)
+    return o, lse2 * math.log(2.0)
+
+
+def _attention_fwd(q, k, v, segs, offsets, scale, causal, cfg, interpret):
+    o, lse2 = _attn_fwd_impl(q, k, v, segs, offsets, scale=scale, causal=causal, cfg=cfg,
+                             interpret=interpret)
+    return (o, lse2 * math.log(2.0)), (q, k, v, segs, offsets, o, lse2)
+
+
+def _attention_bwd(scale, causal, cfg, interpret, res, cts):
+    q, k, v, segs, offsets, o, lse2 = res
+    do, dlse = cts
+    dq, dk, dv = _backward(q, k, v, segs, offsets, o, lse2, do, dlse, scale=scale, causal=causal,
+                           cfg=cfg, interpret=interpret)
+    seg_ct = None if segs is None else jax.tree.map(lambda _: None, segs)
+    return dq, dk, dv, seg_ct, (None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+def flash_attention_mosaic(q, k, v, *, causal=True, scale=None, segments=None, q_offset=0,
+                           kv_offset=0, cfg: Config = Config(), interpret=None):
+    """Mosaic GPU flash attention with its own backward kernels.
+
+    Args:
+      q [B, T, N, Dqk], k [B, S, K, Dqk], v [B, S, K, Dv]: bf16 or fp16, Dqk and Dv multiples of
+        64 up to 256, N % K == 0.
+      segments: None or (q_seg [B, T], kv_seg [B, S]) int.
+      q_offset, kv_offset: int or int32 scalar (may be traced).
+      interpret: None (compile for the GPU) or `plgpu.InterpretGPUParams` (CPU simulation).
+
+    Returns:
+      (o [B, T, N, Dv] in q.dtype, lse [B, N, T] fp32 natural log, -inf on fully masked rows).
+    """
+    check_supported(q, k, v, cfg)
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    segs = None if segments is None else (jnp.asarray(segments[0]), jnp.asarray(segments[1]))
+    return _attention(q, k, v, segs, (q_offset, kv_offset), scale, causal, cfg, interpret)
