@@ -1,8 +1,32 @@
-"""Public MoE dispatch API with backend dispatch (`impl="auto" | "pallas" | "reference"`)."""
+"""Public MoE dispatch API: permute -> grouped GEMM -> weighted combine, each with a custom VJP.
+
+Legend: T tokens, K top-k, D hidden, E experts, M = T*K routed rows, N output width.
+
+Backends (`impl`):
+  "reference": pure jnp (reference.py), fp32 accumulation, memory linear in tokens.
+  "pallas":    Mosaic GPU grouped GEMMs (mosaic_gpu.py) for forward, dx and dw; on a machine
+               without a Hopper GPU they run in GPU interpret mode (slow; for tests). Raises
+               ValueError for shapes/dtypes the kernels cannot take.
+  "auto":      "pallas" on a Hopper GPU when the shapes fit the kernels, else "reference".
+permute / unpermute are row gathers and a weighted row sum, done with XLA (jnp) in every
+backend; their gradients are the inverse gather (no scatter-add).
+
+Gradients (standard matmul calculus): for y = x @ w[g], dx = dy @ w[g]^T (a grouped GEMM with
+transposed weights) and dw[g] = x[rows g]^T @ dy[rows g] (a grouped GEMM whose contraction is
+the ragged dimension). For out[t] = sum_k p[t,k] y[slot(t,k)]: dy[slot] = p[t,k] dout[t] and
+dp[t,k] = <y[slot(t,k)], dout[t]>.
+"""
 from __future__ import annotations
 
-from pallas_kernels.moe.reference import (grouped_matmul_reference, permute_reference,
-                                          unpermute_reference)
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.moe import mosaic_gpu
+from pallas_kernels.moe.reference import (grouped_matmul_reference,
+                                          grouped_matmul_transposed_reference,
+                                          inverse_permutation, sort_by_expert)
 
 IMPLS = ("auto", "pallas", "reference")
 
@@ -10,23 +34,167 @@ IMPLS = ("auto", "pallas", "reference")
 def _check(impl):
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
+
+
+def _pallas_fits(x, w, transpose_rhs=False):
+    """None if the Mosaic GPU kernels take these operands, else the reason."""
+    try:
+        mosaic_gpu.check_dtypes(x, w)
+        n = w.shape[1] if transpose_rhs else w.shape[2]
+        kc = x.shape[1]
+        mosaic_gpu.pick_tile_n(n)
+        mosaic_gpu.pick_tile_n(kc)  # dx of the forward GEMM has width kc
+        if kc % 64:
+            raise ValueError(f"contraction width {kc} must be a multiple of 64")
+        if x.shape[0] < mosaic_gpu.TileConfig().tile_m:
+            raise ValueError(f"{x.shape[0]} rows < tile_m")
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def _resolve(impl, x, w):
+    _check(impl)
+    if impl == "reference":
+        return "reference"
+    reason = _pallas_fits(x, w)
     if impl == "pallas":
-        raise ValueError("impl='pallas': the Mosaic GPU MoE kernels are not available yet")
+        if reason:
+            raise ValueError(f"impl='pallas': {reason}")
+        return "pallas"
+    return "pallas" if (reason is None and mosaic_gpu.on_hopper()) else "reference"
+
+
+# ----------------------------------------------------------------------------- permute
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _gather_rows(x, perm, k):
+    return jnp.take(x, perm // k, axis=0)
+
+
+def _gather_rows_fwd(x, perm, k):
+    return _gather_rows(x, perm, k), perm
+
+
+def _gather_rows_bwd(k, perm, g):
+    inv = inverse_permutation(perm)
+    t = perm.shape[0] // k
+    dx = jnp.take(g, inv, axis=0).reshape(t, k, -1).astype(jnp.float32).sum(axis=1)
+    return dx.astype(g.dtype), None
+
+
+_gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
 def permute(x, topk_ids, *, num_experts, impl="auto"):
-    """x [T, D], topk_ids [T, K] -> (x_sorted [T*K, D], group_sizes [E] int32, perm [T*K] int32)."""
+    """Sort token copies by expert (dropless).
+
+    Args:
+      x: [T, D] any float dtype; topk_ids: [T, K] int in [0, num_experts).
+      num_experts: E (<= 256 tested); impl: "auto" | "pallas" | "reference".
+    Returns:
+      x_sorted [T*K, D] (x.dtype; rows grouped by expert, stable within an expert),
+      group_sizes [E] int32, perm [T*K] int32 (sorted row i is routed slot perm[i] = t*K + k).
+      Differentiable in x: dx[t] = sum_k dx_sorted[slot(t, k)] (fp32 sum).
+    """
     _check(impl)
-    return permute_reference(x, topk_ids, num_experts)
+    t, k = topk_ids.shape
+    group_sizes, perm = sort_by_expert(topk_ids, num_experts)
+    return _gather_rows(x, perm, k), group_sizes, perm
+
+
+# ----------------------------------------------------------------------------- grouped GEMM
+
+def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False):
+    if backend == "pallas":
+        return mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
+    wr = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
+    return grouped_matmul_reference(x, wr, gs, preferred_element_type=out_dtype)
+
+
+def _tgmm_backend(backend, x, dy, gs, out_dtype):
+    if backend == "pallas":
+        return mosaic_gpu.tgmm(x, dy, gs, out_dtype=out_dtype)
+    return grouped_matmul_transposed_reference(x, dy, gs, preferred_element_type=out_dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _gmm(x, w, gs, out_dtype, backend):
+    return _gmm_backend(backend, x, w, gs, out_dtype)
+
+
+def _gmm_fwd(x, w, gs, out_dtype, backend):
+    return _gmm(x, w, gs, out_dtype, backend), (x, w, gs)
+
+
+def _gmm_bwd(out_dtype, backend, res, g):
+    x, w, gs = res
+    if backend == "pallas":
+        g = g.astype(x.dtype)
+    dx = _gmm_backend(backend, g, w, gs, x.dtype, transpose_rhs=True)
+    dw = _tgmm_backend(backend, x, g, gs, w.dtype)
+    return dx, dw, None
+
+
+_gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
 def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None):
-    """x [M, K] @ w [E, K, N] per consecutive row group (group_sizes [E]) -> [M, N]."""
-    _check(impl)
-    return grouped_matmul_reference(x, w, group_sizes, preferred_element_type=preferred_element_type)
+    """Grouped GEMM over consecutive row groups: out[i] = x[i] @ w[g(i)].
+
+    Args:
+      x: [M, Kd]; w: [E, Kd, N] (same dtype for "pallas": bf16 or f16);
+      group_sizes: [E] int, sum <= M; rows past the sum give zeros.
+      preferred_element_type: output dtype (default x.dtype); accumulation is always fp32.
+    Returns:
+      [M, N]. Differentiable in x and w (custom VJP: dx by a grouped GEMM with transposed
+      weights, dw by a ragged-contraction grouped GEMM); group_sizes gets no gradient.
+    Raises:
+      ValueError: unknown impl, or impl="pallas" with shapes/dtypes the kernels cannot take
+      (N and Kd multiples of 128, M >= 128).
+    """
+    backend = _resolve(impl, x, w)
+    out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    return _gmm(x, w, group_sizes.astype(jnp.int32), out_dtype, backend)
+
+
+# ----------------------------------------------------------------------------- unpermute
+
+@jax.custom_vjp
+def _combine(y, perm, p):
+    t, k = p.shape
+    inv = inverse_permutation(perm)
+    y_tok = jnp.take(y, inv, axis=0).reshape(t, k, -1).astype(jnp.float32)
+    return jnp.einsum("tkn,tk->tn", y_tok, p.astype(jnp.float32)).astype(y.dtype)
+
+
+def _combine_fwd(y, perm, p):
+    return _combine(y, perm, p), (y, perm, p)
+
+
+def _combine_bwd(res, g):
+    y, perm, p = res
+    t, k = p.shape
+    g32 = g.astype(jnp.float32)
+    scale = jnp.take(p.reshape(-1).astype(jnp.float32), perm)
+    dy = (jnp.take(g32, perm // k, axis=0) * scale[:, None]).astype(y.dtype)
+    inv = inverse_permutation(perm)
+    y_tok = jnp.take(y, inv, axis=0).reshape(t, k, -1).astype(jnp.float32)
+    dp = jnp.einsum("tkn,tn->tk", y_tok, g32).astype(p.dtype)
+    return dy, None, dp
+
+
+_combine.defvjp(_combine_fwd, _combine_bwd)
 
 
 def unpermute(y, perm, topk_weights, *, impl="auto"):
-    """y [T*K, N] sorted rows, perm [T*K], topk_weights [T, K] -> [T, N] (fp32 weighted sum)."""
+    """Weighted combine back to token order: out[t] = sum_k w[t, k] * y[slot(t, k)].
+
+    Args:
+      y: [T*K, N] rows sorted by expert; perm: [T*K] int32 from `permute`;
+      topk_weights: [T, K] routing weights (any float dtype).
+    Returns:
+      [T, N] in y.dtype, summed in fp32. Differentiable in y and topk_weights.
+    """
     _check(impl)
-    return unpermute_reference(y, perm, topk_weights)
+    return _combine(y, perm, topk_weights)

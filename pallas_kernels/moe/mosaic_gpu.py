@@ -1,0 +1,409 @@
+"""Grouped GEMMs for dropless MoE on Hopper, in Pallas Mosaic GPU (TMA + wgmma).
+
+Legend: M routed rows (sorted by expert), E experts, Kc contraction width, N output width,
+tm/tn/tk tile sizes (rows, columns per compute warpgroup, contraction step), wg warpgroup.
+
+Two kernels, both persistent (one CTA per SM looping over work items) and warp-specialized
+(two compute warpgroups that each own tn output columns, one TMA producer warpgroup):
+
+* `gmm`:  out[M, N] = x[M, Kc] @ w[g(row)] (`transpose_rhs`: @ w[g]^T). Work items are
+  (row tile, column tile) pairs; a row tile is a tm-row block of x that overlaps one group,
+  so a block straddling a group boundary is visited once per group and each visit stores
+  only its group's rows (a TMA store per set bit of the row count). The (group, block,
+  first row, end row) table of row tiles is computed outside the kernel with jnp, so the
+  kernel's size does not grow with E. Rows past sum(group_sizes) are written as zeros.
+* `tgmm`: dw[E, Kx, N] = per group x[rows]^T @ dy[rows] (the ragged dimension is the
+  contraction). Work items are (group, Kx tile, N tile); the pipeline walks the group's
+  rows from its first row in tk-row steps and zeroes the rows past the group's end in the
+  last step. Empty groups give zeros.
+
+Maths: grouped GEMM of MegaBlocks (arXiv 2211.15841, sec. 5); dx = dy @ w^T and
+dw = x^T @ dy per expert are the standard matmul derivatives. wgmma/TMA usage follows the
+Pallas Mosaic GPU reference (jax docs/pallas/gpu/reference.md).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+_SMEM_BYTES = 227 * 1024 - 4096  # usable dynamic SMEM per CTA on sm90, minus barrier slack
+SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """Tile sizes. tile_n is per compute warpgroup; a CTA covers 2 * tile_n columns."""
+    tile_m: int = 128
+    tile_n: int = 128
+    tile_k: int = 64
+    max_concurrent_steps: int = 4
+    memory_registers: int = 40
+
+
+def on_hopper() -> bool:
+    """True when the default backend is a CUDA GPU of compute capability 9.x."""
+    try:
+        dev = jax.devices()[0]
+    except RuntimeError:
+        return False
+    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+
+
+def _interpret_params():
+    """None on a Hopper GPU; GPU interpret mode (CPU simulation, for tests) elsewhere."""
+    return None if on_hopper() else plgpu.InterpretGPUParams()
+
+
+def _num_sms() -> int:
+    return jax.devices()[0].core_count if on_hopper() else 2
+
+
+def _transforms(minor_elems, dtype):
+    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
+
+
+def _stages(stage_bytes, fixed_bytes, want):
+    stages = min(want, (_SMEM_BYTES - fixed_bytes) // stage_bytes)
+    if stages < 2:
+        raise ValueError(f"tiles too large for shared memory: {stage_bytes=} {fixed_bytes=}")
+    return int(stages)
+
+
+def pick_tile_n(n):
+    """Per-warpgroup column tile for an output width n (CTA width 2*tile_n must divide n)."""
+    for tn in (128, 64):
+        if n % (2 * tn) == 0:
+            return tn
+    raise ValueError(f"output width {n} must be a multiple of 128 for the Mosaic GPU kernels")
+
+
+def check_dtypes(*arrays):
+    dt = arrays[0].dtype
+    if any(a.dtype != dt for a in arrays) or dt not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
+        raise ValueError(f"Mosaic GPU grouped GEMM needs one dtype in {SUPPORTED_DTYPES}, got "
+                         f"{[str(a.dtype) for a in arrays]}")
+
+
+def row_tile_table(group_sizes, m, tile_m):
+    """Work table of the forward kernel: int32 [4, cdiv(m, tile_m) + E].
+
+    Column t describes row tile t: (group, block, lo, hi) meaning rows
+    [block*tile_m + lo, block*tile_m + hi) of x belong to `group`. Group E stands for rows
+    past sum(group_sizes) (written as zeros). Unused columns have lo == hi == 0.
+    """
+    e = group_sizes.shape[0]
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(gs)
+    total = ends[-1]
+    starts = jnp.concatenate([ends - gs, total[None]])
+    ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
+    sizes = ends - starts
+    first = starts // tile_m
+    last = (ends - 1) // tile_m
+    ntiles = jnp.where(sizes > 0, last - first + 1, 0)
+    tile_end = jnp.cumsum(ntiles)
+    tile_start = tile_end - ntiles
+    num = -(-m // tile_m) + e
+    t = jnp.arange(num, dtype=jnp.int32)
+    g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e).astype(jnp.int32)
+    valid = t < tile_end[-1]
+    blk = first[g] + t - tile_start[g]
+    lo = jnp.maximum(starts[g], blk * tile_m) - blk * tile_m
+    hi = jnp.minimum(ends[g], blk * tile_m + tile_m) - blk * tile_m
+    zero = jnp.zeros_like(t)
+    return jnp.stack([g, jnp.where(valid, blk, zero), jnp.where(valid, lo, zero),
+                      jnp.where(valid, hi, zero)]).astype(jnp.int32)
+
+
+def _store_rows(src_smem, dst_gmem, lo, hi, tile_m):
+    """TMA-store rows [lo, hi) of src_smem [tile_m, n] to the same rows of dst_gmem.
+
+    TMA boxes have static sizes, so a partial tile is stored as one box per set bit of
+    hi - lo (at most log2(tile_m) boxes).
+    """
+    full = (lo == 0) & (hi == tile_m)
+
+    @pl.when(full)
+    def _():
+        plgpu.copy_smem_to_gmem(src_smem, dst_gmem)
+
+    @pl.when(jnp.logical_not(full))
+    def _():
+        size = hi - lo
+        start = lo
+        p = tile_m // 2
+        while p >= 1:
+            @pl.when((size & p) != 0)
+            def _(start=start, p=p):
+                plgpu.copy_smem_to_gmem(src_smem.at[pl.ds(start, p)], dst_gmem.at[pl.ds(start, p)])
+            start = start + (size & p)
+            p //= 2
+
+
+def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=TileConfig()):
+    """Grouped GEMM: out[i] = x[i] @ w[g(i)] (or @ w[g(i)]^T when transpose_rhs).
+
+    Args:
+      x: [M, Kc] bf16/f16, rows sorted by group; w: [E, Kc, N] ([E, N, Kc] if transpose_rhs),
+        same dtype; group_sizes: [E] int, sum <= M.
+      out_dtype: output dtype (default x.dtype); accumulation is fp32.
+    Returns:
+      [M, N]; rows past sum(group_sizes) are zero.
+    Raises:
+      ValueError: dtype not bf16/f16, Kc not a multiple of tile_k, N not a multiple of 128.
+    """
+    check_dtypes(x, w)
+    m, kc = x.shape
+    e = w.shape[0]
+    n = w.shape[1] if transpose_rhs else w.shape[2]
+    kw = w.shape[2] if transpose_rhs else w.shape[1]
+    if kw != kc:
+        raise ValueError(f"contraction mismatch: x {x.shape}, w {w.shape}, {transpose_rhs=}")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"group_sizes shape {group_sizes.shape} != ({e},)")
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    tm, tk = config.tile_m, config.tile_k
+    tn = min(config.tile_n, pick_tile_n(n))
+    if 2 * tm * tn * out_dtype.itemsize > 64 * 1024:  # fp32 outputs: halve the column tile
+        tn = 64
+    if kc % tk:
+        raise ValueError(f"contraction width {kc} must be a multiple of tile_k={tk}")
+    if m < tm:
+        raise ValueError(f"Mosaic GPU grouped GEMM needs at least tile_m={tm} rows, got {m}")
+    cta_n = 2 * tn
+    grid_n = n // cta_n
+    k_steps = kc // tk
+    table = row_tile_table(group_sizes, m, tm)
+    num_tiles = table.shape[1]
+    itemsize = x.dtype.itemsize
+    a_tr = _transforms(tk, x.dtype)
+    b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype)
+    out_bytes = 2 * tm * tn * out_dtype.itemsize
+    stages = _stages((tm * tk + tk * cta_n) * itemsize, out_bytes, config.max_concurrent_steps)
+    b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
+    b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
+
+    def make_pipeline(body, context):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(k_steps,),
+            memory_registers=config.memory_registers,
+            in_specs=[
+                plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=a_tr, delay_release=0),
+                plgpu.BlockSpec(b_block, b_index, transforms=b_tr, delay_release=0),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=context,
+        )
+
+    def kernel(table_ref, x_ref, w_ref, o_ref):
+        ignore = lambda *_, **__: None
+        w_view0 = (w_ref.at[0, pl.ds(0, cta_n), :] if transpose_rhs
+                   else w_ref.at[0, :, pl.ds(0, cta_n)])
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=make_pipeline(ignore, ignore).get_allocations(
+                x_ref.at[pl.ds(0, tm), :], w_view0),
+            out_smem=plgpu.SMEM((2, tm, tn), out_dtype),
+            collective_axes="wg",
+        )
+        def _scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
+            def _item(info):
+                (idx,) = info.index
+                t = idx // grid_n
+                ni = idx % grid_n
+                g = table_ref[0, t]
+                blk = table_ref[1, t]
+                lo = table_ref[2, t]
+                hi = table_ref[3, t]
+                real = g < e  # group e = rows past sum(group_sizes): store zeros
+                gw = jnp.minimum(g, e - 1)
+                row0 = blk * tm
+
+                @pl.when(hi > lo)
+                def _():
+                    def mma(_, a_smem, b_smem, acc_ref):
+                        @pl.when(real)
+                        def _():
+                            if transpose_rhs:
+                                b = b_smem.at[pl.ds(wg * tn, tn), :].transpose((1, 0))
+                            else:
+                                b = b_smem.at[:, pl.ds(wg * tn, tn)]
+                            plgpu.wgmma(acc_ref, a_smem, b)
+                            plgpu.wgmma_wait(0)
+                        return acc_ref
+
+                    def context(run):
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                        def _acc(acc_ref):
+                            run(acc_ref)
+                            plgpu.wgmma_wait(0)
+                            acc = acc_ref[...]
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            out_smem[wg] = acc.astype(out_dtype)
+                            plgpu.commit_smem()
+                            dst = o_ref.at[pl.ds(row0, tm), pl.ds(ni * cta_n + wg * tn, tn)]
+                            _store_rows(out_smem.at[wg], dst, lo, hi, tm)
+
+                    w_view = (w_ref.at[gw, pl.ds(ni * cta_n, cta_n), :] if transpose_rhs
+                              else w_ref.at[gw, :, pl.ds(ni * cta_n, cta_n)])
+                    make_pipeline(mma, context)(
+                        x_ref.at[pl.ds(row0, tm), :], w_view, allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params(),
+    )
+    return call(table, x, w)
+
+
+def tgmm(x, dy, group_sizes, *, out_dtype=None, config=TileConfig()):
+    """Ragged-contraction grouped GEMM (weight gradient): dw[g] = x[rows g]^T @ dy[rows g].
+
+    Args:
+      x: [M, Kx]; dy: [M, N], bf16/f16, rows sorted by group; group_sizes: [E] int,
+        sum <= M (rows past the sum are ignored).
+      out_dtype: output dtype (default x.dtype); accumulation is fp32.
+    Returns:
+      [E, Kx, N]; groups with no rows give zeros.
+    Raises:
+      ValueError: dtype not bf16/f16, Kx not a multiple of 64, N not a multiple of 128.
+    """
+    check_dtypes(x, dy)
+    m, kx = x.shape
+    n = dy.shape[1]
+    if dy.shape[0] != m:
+        raise ValueError(f"row mismatch: x {x.shape}, dy {dy.shape}")
+    e = group_sizes.shape[0]
+    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    tk = config.tile_k
+    tm = config.tile_m if kx % config.tile_m == 0 else 64
+    if kx % tm:
+        raise ValueError(f"x width {kx} must be a multiple of 64 for the Mosaic GPU tgmm")
+    tn = min(config.tile_n, pick_tile_n(n))
+    if 2 * tm * tn * out_dtype.itemsize > 64 * 1024:  # fp32 outputs: halve the column tile
+        tn = 64
+    cta_n = 2 * tn
+    grid_k, grid_n = kx // tm, n // cta_n
+    gs = group_sizes.astype(jnp.int32)
+    starts = jnp.cumsum(gs) - gs
+    itemsize = x.dtype.itemsize
+    x_tr = _transforms(tm, x.dtype)
+    dy_tr = _transforms(cta_n, x.dtype)
+    out_tr = _transforms(tn, out_dtype)
+    out_bytes = 2 * tm * tn * out_dtype.itemsize
+    stages = _stages((tk * tm + tk * cta_n) * itemsize, out_bytes, config.max_concurrent_steps)
+
+    def make_pipeline(body, context, steps):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=config.memory_registers,
+            in_specs=[
+                plgpu.BlockSpec((tk, tm), lambda s: (s, 0), transforms=x_tr, delay_release=0),
+                plgpu.BlockSpec((tk, cta_n), lambda s: (s, 0), transforms=dy_tr,
+                                delay_release=0),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=context,
+        )
+
+    def kernel(starts_ref, sizes_ref, x_ref, dy_ref, o_ref):
+        ignore = lambda *_, **__: None
+        dummy_steps = jnp.asarray(1, jnp.int32)  # dynamic grid, as in the real pipelines
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=make_pipeline(ignore, ignore, dummy_steps).get_allocations(
+                x_ref.at[:, pl.ds(0, tm)], dy_ref.at[:, pl.ds(0, cta_n)]),
+            out_smem=plgpu.SMEM((2, tm, tn), out_dtype, transforms=out_tr),
+            collective_axes="wg",
+        )
+        def _scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((e * grid_k * grid_n,), collective_axes="sm")
+            def _item(info):
+                (idx,) = info.index
+                g = idx // (grid_k * grid_n)
+                rem = idx % (grid_k * grid_n)
+                ki = rem // grid_n
+                ni = rem % grid_n
+                start = starts_ref[g]
+                size = sizes_ref[g]
+                steps = (size + tk - 1) // tk
+                last_rows = size - (steps - 1) * tk  # valid rows of the last step, in (0, tk]
+
+                def mma(idxs, x_smem, dy_smem, acc_ref):
+                    (s,) = idxs
+                    b = dy_smem.at[:, pl.ds(wg * tn, tn)]
+
+                    @pl.when((s == steps - 1) & (last_rows < tk))
+                    def _():
+                        rows = plgpu.layout_cast(
+                            lax.broadcasted_iota(jnp.int32, (tk, tn), 0), plgpu.Layout.WGMMA)
+                        keep = (rows < last_rows).astype(b.dtype)
+                        b[...] = b[...] * keep
+                        plgpu.commit_smem()
+
+                    plgpu.wgmma(acc_ref, x_smem.transpose((1, 0)), b)
+                    plgpu.wgmma_wait(0)
+                    return acc_ref
+
+                def context(run):
+                    @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                    def _acc(acc_ref):
+                        run(acc_ref)
+                        plgpu.wgmma_wait(0)
+                        acc = acc_ref[...]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        out_smem[wg] = acc.astype(out_dtype)
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(
+                            out_smem.at[wg],
+                            o_ref.at[g, pl.ds(ki * tm, tm), pl.ds(ni * cta_n + wg * tn, tn)])
+
+                make_pipeline(mma, context, steps)(
+                    x_ref.at[pl.ds(start, m), pl.ds(ki * tm, tm)],
+                    dy_ref.at[pl.ds(start, m), pl.ds(ni * cta_n, cta_n)],
+                    allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((e, kx, n), out_dtype),
+        grid=(_num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(
+            lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params(),
+    )
+    return call(starts, gs, x, dy)
