@@ -30,8 +30,8 @@ class Linear(nnx.Module):
                  bias: bool = False):
         init = nnx.initializers.normal(cfg.initializer_range)
         wdt = dtype_of(cfg.weight_dtype)
-        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), wdt), sharding_names=axes)
-        self.bias = nnx.Param(jnp.zeros((d_out,), wdt), sharding_names=axes[1:]) if bias else None
+        self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), wdt), out_sharding=axes)
+        self.bias = nnx.Param(jnp.zeros((d_out,), wdt), out_sharding=axes[1:]) if bias else None
         self.dtype = dtype_of(cfg.dtype)
 
     def __call__(self, x):
@@ -46,7 +46,7 @@ class RMSNorm(nnx.Module):
     the weight multiply (HF `DeepseekV3RMSNorm`)."""
 
     def __init__(self, dim: int, eps: float, cfg: ModelConfig):
-        self.weight = nnx.Param(jnp.ones((dim,), dtype_of(cfg.weight_dtype)), sharding_names=("norm",))
+        self.weight = nnx.Param(jnp.ones((dim,), dtype_of(cfg.weight_dtype)), out_sharding=("norm",))
         self.eps = eps
 
     def __call__(self, x):

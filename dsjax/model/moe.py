@@ -102,14 +102,14 @@ class MoE(nnx.Module):
         self.cfg = cfg
         wdt = dtype_of(cfg.weight_dtype)
         init = nnx.initializers.normal(cfg.initializer_range)
-        self.gate = nnx.Param(init(rngs.params(), (D, E), jnp.float32), sharding_names=("embed", None))
+        self.gate = nnx.Param(init(rngs.params(), (D, E), jnp.float32), out_sharding=("embed", None))
         if cfg.topk_method == "noaux_tc":
-            self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32), sharding_names=(None,))
+            self.e_score_correction_bias = RouterBias(jnp.zeros((E,), jnp.float32), out_sharding=(None,))
         else:
             self.e_score_correction_bias = None
-        self.gate_proj = nnx.Param(init(rngs.params(), (E, D, F), wdt), sharding_names=("experts", "embed", "mlp"))
-        self.up_proj = nnx.Param(init(rngs.params(), (E, D, F), wdt), sharding_names=("experts", "embed", "mlp"))
-        self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), wdt), sharding_names=("experts", "mlp", "embed"))
+        self.gate_proj = nnx.Param(init(rngs.params(), (E, D, F), wdt), out_sharding=("experts", "embed", "mlp"))
+        self.up_proj = nnx.Param(init(rngs.params(), (E, D, F), wdt), out_sharding=("experts", "embed", "mlp"))
+        self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), wdt), out_sharding=("experts", "mlp", "embed"))
         self.shared_experts = MLP(cfg, F * cfg.n_shared_experts, rngs=rngs) if cfg.n_shared_experts else None
 
     def __call__(self, x, token_mask):

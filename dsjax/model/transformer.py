@@ -63,7 +63,7 @@ class DeepSeekModel(nnx.Module):
         init = nnx.initializers.normal(cfg.initializer_range)
         wdt = dtype_of(cfg.weight_dtype)
         self.embed_tokens = nnx.Param(init(rngs.params(), (cfg.vocab_size, cfg.hidden_size), wdt),
-                                      sharding_names=("vocab", "embed"))
+                                      out_sharding=("vocab", "embed"))
         self.dense_layers = _stack(cfg, cfg.first_k_dense_replace, False, rngs)
         self.moe_layers = _stack(cfg, cfg.num_moe_layers, True, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)

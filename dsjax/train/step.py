@@ -116,7 +116,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
         grads = jax.tree.map(lambda g: g / scale, grads)
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
         updates, new_opt = tx.update(safe_grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)

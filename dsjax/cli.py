@@ -1,0 +1,28 @@
+"""Shared command-line plumbing: config arguments and one-line errors."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from dsjax import config as C
+
+
+def add_config_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", help="YAML overlay on the defaults (e.g. configs/tiny.yaml)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override one field, e.g. --set optim.learning_rate=1e-5 (repeatable)")
+
+
+def load_config(args) -> C.Config:
+    return C.load(args.config, args.overrides)
+
+
+def run_main(prog: str, fn) -> None:
+    """Run fn(); turn user errors into one line on stderr and exit status 2."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    try:
+        fn()
+    except (C.ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None

@@ -1,0 +1,27 @@
+"""`python -m dsjax.train --config configs/tiny.yaml [--set key=value ...] [--resume]`."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from dsjax.cli import add_config_args, load_config, run_main
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(prog="python -m dsjax.train", description=__doc__)
+    add_config_args(p)
+    p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    args = p.parse_args()
+    cfg = load_config(args)  # fails here, before any work, on a bad key or value
+    from dsjax.train.loop import train
+
+    summary = train(cfg, resume=args.resume)
+    val = summary["val_loss"]
+    line = {"steps": summary["steps"], "wall_s": round(summary["wall_s"], 1),
+            "tokens_per_s": round(summary.get("tokens_per_s", 0.0)),
+            "val_loss": {k: round(v, 4) for k, v in val.items()}, "run_dir": summary["run_dir"]}
+    print("summary " + json.dumps(line))
+
+
+if __name__ == "__main__":
+    run_main("dsjax.train", main)

@@ -1,0 +1,209 @@
+"""The training loop: data, model, optimizer, jitted step, metrics, evaluation, checkpoints.
+
+`train(cfg, resume=False)` is what `python -m dsjax.train` runs. Run directory layout:
+  RUN_DIR/config.yaml        the resolved config
+  RUN_DIR/tokenizer.json     the tokenizer used (for generation and export)
+  RUN_DIR/metrics.jsonl      one JSON object per logged step / evaluation
+  RUN_DIR/tb/                TensorBoard event files
+  RUN_DIR/checkpoints/<step> orbax checkpoints (state, data-loader position, config)
+"""
+from __future__ import annotations
+
+import logging
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dsjax import config as C
+from dsjax.checkpoint import Checkpointer, abstract_like
+from dsjax.data import Documents, PackedLoader, expand_sources, load_or_train, split_files, stdlib_files
+from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
+from dsjax.train.optim import build_optimizer
+from dsjax.train.step import init_model, init_state, make_eval_step, make_train_step
+
+log = logging.getLogger("dsjax.train")
+SIGTERM_EXIT = 143
+
+
+class NonFiniteError(RuntimeError):
+    """Raised when gradients are non-finite under bf16/fp32 and skipping is not configured."""
+
+
+def build_data(cfg: C.Config):
+    """Tokenizer, training loader and validation loader for `cfg.data`.
+
+    Returns (tok, train_loader, val_loader or None). The training loader yields
+    batch_size * grad_accum rows per step.
+    """
+    d = cfg.data
+    if d.train == ["stdlib"]:
+        files = stdlib_files()
+        train_files, val_files = split_files(files, d.val_fraction, d.seed)
+    else:
+        files = expand_sources(d.train)
+        if d.validation:
+            train_files, val_files = files, expand_sources(d.validation)
+        elif d.val_fraction > 0 and len(files) > 1:
+            train_files, val_files = split_files(files, d.val_fraction, d.seed)
+        else:
+            train_files, val_files = files, []
+    vocab = d.tokenizer_vocab_size or cfg.model.vocab_size
+    cache = Path(d.cache_dir).expanduser()
+    train_docs = Documents(train_files, d.jsonl_text_field)
+    tok = load_or_train(cache, vocab, train_docs, d.tokenizer)
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise C.ConfigError(f"config: model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                            f"tokenizer's {tok.vocab_size} tokens ({tok.path})")
+    rows = d.batch_size * cfg.train.grad_accum
+    pi, pc = jax.process_index(), jax.process_count()
+    train = PackedLoader(train_docs, tok, rows, d.seq_len, d.seed, process_index=pi, process_count=pc)
+    val = None
+    if val_files:
+        val = PackedLoader(Documents(val_files, d.jsonl_text_field), tok, d.batch_size, d.seq_len,
+                           d.seed, shuffle=False, process_index=pi, process_count=pc)
+    return tok, train, val
+
+
+def _to_device(batch: dict, accum: int | None = None) -> dict:
+    out = {}
+    for k, v in batch.items():
+        v = np.asarray(v)
+        if accum is not None:
+            v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
+        out[k] = jnp.asarray(v)
+    return out
+
+
+def evaluate(eval_step, params, rest, val: PackedLoader, max_batches: int) -> float:
+    """Mean fp32 cross-entropy per real target token over (at most) max_batches batches."""
+    nll, n = 0.0, 0.0
+    for batch in val.iter_epoch_once(max_batches=max_batches):
+        s, c = eval_step(params, rest, _to_device(batch))
+        nll += float(s)
+        n += float(c)
+    return nll / max(n, 1.0)
+
+
+def train(cfg: C.Config, resume: bool = False) -> dict:
+    """Train per `cfg`; returns a summary dict (losses, tokens/s, wall time).
+
+    Raises:
+      FileExistsError: RUN_DIR already holds checkpoints and `resume` is False.
+      NonFiniteError: non-finite gradients under bf16/fp32 without train.skip_nonfinite.
+      SystemExit(143): after saving a checkpoint on SIGTERM.
+    """
+    t0 = time.time()
+    tc = cfg.train
+    run_dir = Path(tc.run_dir)
+    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
+    if ckpt.latest_step() is not None and not resume:
+        raise FileExistsError(f"train.run_dir {run_dir} already holds checkpoints "
+                              f"(step {ckpt.latest_step()}): pass --resume, or choose another run_dir")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
+
+    tok, train_loader, val_loader = build_data(cfg)
+    if Path(tok.path).resolve() != (run_dir / "tokenizer.json").resolve():
+        shutil.copyfile(tok.path, run_dir / "tokenizer.json")
+
+    fns, params, rest = init_model(cfg)
+    if tc.init_from_hf:
+        from dsjax.hf import load_hf_params  # issue 3
+
+        params, rest = load_hf_params(tc.init_from_hf, cfg.model, params, rest)
+    tx, schedule = build_optimizer(cfg.optim, tc.steps)
+    state = init_state(params, rest, tx)
+    start = 0
+    if resume and ckpt.latest_step() is not None:
+        state, data_state, _, start = ckpt.restore(abstract_like(state))
+        train_loader.restore(data_state)
+        log.info("resumed from step %d", start)
+
+    train_step = jax.jit(make_train_step(cfg, fns, tx, schedule), donate_argnums=0)
+    eval_step = jax.jit(make_eval_step(cfg, fns))
+    writer = MetricsWriter(run_dir, tc.tensorboard)
+    ftok = flops_per_token(cfg.model, cfg.data.seq_len)
+    peak = device_peak_flops(cfg.model.dtype, tc.peak_tflops)
+    n_dev = jax.device_count()
+    cfg_dict = C.to_dict(cfg)
+
+    stop = {"sigterm": False}
+    prev = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
+
+    summary = {"val_loss": {}, "train_loss": {}}
+    if val_loader is not None and start == 0:
+        v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches)
+        summary["val_loss"][0] = v
+        writer.write(0, {"val_loss": v})
+        log.info("step 0 val_loss %.4f", v)
+
+    bar = None
+    if tc.progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=tc.steps, initial=start, desc="train", dynamic_ncols=True)
+    last_t, last_step, tokens_since = time.time(), start, 0.0
+    pending = None
+    step = start
+    try:
+        for step in range(start + 1, tc.steps + 1):
+            batch = _to_device(next(train_loader), tc.grad_accum)
+            state, metrics = train_step(state, batch)
+            pending = metrics
+            if bar is not None:
+                bar.update(1)
+            last_of_run = step == tc.steps
+            if step % tc.log_every == 0 or last_of_run or stop["sigterm"]:
+                m = jax.device_get(metrics)
+                now = time.time()
+                tokens_since = float(m["tokens"]) * (step - last_step)
+                tps = tokens_since / max(now - last_t, 1e-9)
+                last_t, last_step = now, step
+                rec = {"loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                       "tokens_per_s": tps, "loss_scale": m["loss_scale"], "skipped": m["skipped"]}
+                if peak:
+                    rec["mfu"] = tps * ftok / (peak * n_dev)
+                if "expert_load_max_over_mean" in m:
+                    rec["expert_load_max_over_mean"] = list(m["expert_load_max_over_mean"])
+                    rec["router_entropy"] = list(m["router_entropy"])
+                writer.write(step, rec)
+                summary["train_loss"][step] = float(m["loss"])
+                summary["tokens_per_s"] = tps
+                if bar is not None:
+                    bar.set_postfix(loss=f"{float(m['loss']):.3f}", lr=f"{float(m['lr']):.2e}",
+                                    tok_s=f"{tps:,.0f}")
+                nf = int(jax.device_get(state["nonfinite_step"]))
+                if nf >= 0 and cfg.model.dtype != "float16" and not tc.skip_nonfinite:
+                    raise NonFiniteError(
+                        f"non-finite gradients at step {nf + 1}: the update was not applied; set "
+                        f"train.skip_nonfinite=true to skip such steps")
+            if val_loader is not None and (step % tc.eval_every == 0 or last_of_run):
+                v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches)
+                summary["val_loss"][step] = v
+                writer.write(step, {"val_loss": v})
+                msg = f"step {step} val_loss {v:.4f}"
+                (bar.write(msg) if bar is not None else log.info(msg))
+            if step % cfg.checkpoint.every == 0 or last_of_run or stop["sigterm"]:
+                ckpt.save(step, state, train_loader.state(), cfg_dict)
+            if stop["sigterm"]:
+                ckpt.wait()
+                msg = f"SIGTERM: saved checkpoint at step {step} in {ckpt.directory}; exiting"
+                (bar.write(msg) if bar is not None else log.warning(msg))
+                raise SystemExit(SIGTERM_EXIT)
+        ckpt.wait()
+    finally:
+        signal.signal(signal.SIGTERM, prev)
+        if bar is not None:
+            bar.close()
+        writer.close()
+        ckpt.close()
+    del pending
+    summary["steps"] = step
+    summary["wall_s"] = time.time() - t0
+    summary["run_dir"] = str(run_dir)
+    return summary

@@ -1,0 +1,84 @@
+"""Config loading: typing of YAML and --set values, one-line errors naming the key."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsjax import config as C
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_yaml_and_set_floats(tmp_path):
+    # case 2: YAML 1.1 loaders read 3e-4 as a string; we must give floats
+    p = tmp_path / "c.yaml"
+    p.write_text("optim:\n  learning_rate: 3e-4\n  warmup_steps: 10\n")
+    cfg = C.load(p)
+    assert cfg.optim.learning_rate == pytest.approx(3e-4) and isinstance(cfg.optim.learning_rate, float)
+    cfg = C.load(p, ["optim.learning_rate=1e-5"])
+    assert cfg.optim.learning_rate == pytest.approx(1e-5) and isinstance(cfg.optim.learning_rate, float)
+    assert isinstance(cfg.optim.warmup_steps, int)
+
+
+def test_string_field_keeps_text():
+    cfg = C.load(None, ["train.run_dir=1e5", "data.cache_dir=007"])
+    assert cfg.train.run_dir == "1e5"
+    assert cfg.data.cache_dir == "007"
+
+
+def test_ints_bools_optionals_lists_nested():
+    cfg = C.load(None, ["model.hidden_size=64", "model.q_lora_rank=null", "model.norm_topk_prob=false",
+                        "data.train=[a.txt, b.jsonl]", "model.rope_scaling={factor: 40, mscale_all_dim: 1}",
+                        "model.first_k_dense_replace=1.0"])
+    m = cfg.model
+    assert m.hidden_size == 64 and m.q_lora_rank is None and m.norm_topk_prob is False
+    assert cfg.data.train == ["a.txt", "b.jsonl"]
+    assert m.rope_scaling.factor == 40.0 and isinstance(m.rope_scaling.factor, float)
+    assert m.rope_scaling.mscale is None and m.rope_scaling.mscale_all_dim == 1.0
+    assert m.first_k_dense_replace == 1
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.learing_rate=1", "unknown key 'optim.learing_rate' (did you mean 'optim.learning_rate'?)"),
+    ("modle.hidden_size=1", "unknown key 'modle' (did you mean 'model'?)"),
+    ("model.hidden_size=abc", "model.hidden_size must be an int, got 'abc'"),
+    ("train.steps=1.5", "train.steps must be an int"),
+    ("model.norm_topk_prob=maybe", "model.norm_topk_prob must be a bool"),
+    ("optim.learning_rate=fast", "optim.learning_rate must be a float"),
+    ("model.topk_method=top1", "model.topk_method='top1': expected one of"),
+    ("model.n_group=3", "model.n_group=3 must divide n_routed_experts"),
+    ("model.num_experts_per_tok=99", "model.num_experts_per_tok=99 exceeds"),
+    ("data.seq_len=999999", "data.seq_len=999999 exceeds model.max_position_embeddings"),
+])
+def test_errors_name_the_key(override, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(None, [override])
+    msg = str(e.value)
+    assert needle in msg and "\n" not in msg
+
+
+def test_nested_section_given_scalar():
+    with pytest.raises(C.ConfigError, match="model must be a mapping"):
+        C.load(None, ["model=3"])
+
+
+def test_repo_configs_load():
+    for p in sorted((ROOT / "configs").glob("*.yaml")):
+        C.load(p)
+
+
+def test_roundtrip_through_dict():
+    cfg = C.load(ROOT / "configs" / "tiny.yaml", ["model.rope_scaling={factor: 4}"])
+    assert C.from_dict(C.to_dict(cfg)) == cfg
+
+
+def test_cli_bad_key_fails_fast_one_line(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dsjax.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                        "--set", "optim.lr=1e-3", "--set", f"train.run_dir={tmp_path}/run"],
+                       capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 2
+    lines = [l for l in r.stderr.strip().splitlines() if l]
+    assert lines[-1].startswith("dsjax.train: error: config: unknown key 'optim.lr'")
+    assert len(lines) == 1, r.stderr
+    assert not (tmp_path / "run").exists()  # no work done

@@ -1,0 +1,217 @@
+"""Model maths: shapes and dtypes, routers on hand-checked cases, RoPE/YaRN values, balancing
+statistics with padding, remat, latent-cache decode."""
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import dsjax  # noqa: F401  (flax config)
+from dsjax import config as C
+from dsjax.model import DeepSeekModel
+from dsjax.model.moe import MoE, route, update_router_bias
+from dsjax.model.rope import apply_rope, inv_freq_and_attention_factor, rope_cos_sin, softmax_scale
+
+SMALL = dict(vocab_size=128, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+             num_hidden_layers=3, num_attention_heads=2, q_lora_rank=16, kv_lora_rank=12,
+             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8,
+             n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2,
+             first_k_dense_replace=1, routed_scaling_factor=2.5)
+
+
+def small_cfg(**kw):
+    return C.ModelConfig(**{**SMALL, **kw})
+
+
+def logit(p):
+    p = np.asarray(p, np.float64)
+    return jnp.asarray(np.log(p / (1 - p)), jnp.float32)
+
+
+# ---------------------------------------------------------------- shapes and dtypes
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("q_lora", [None, 16])
+def test_shapes_and_dtypes(dtype, q_lora):
+    cfg = small_cfg(dtype=dtype, q_lora_rank=q_lora)
+    m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
+    logits, aux = m(toks)
+    assert logits.shape == (2, 10, cfg.vocab_size) and logits.dtype == jnp.dtype(dtype)
+    assert aux["expert_counts"].shape == (2, 8) and aux["expert_counts"].dtype == jnp.float32
+    # every real token is routed to K experts in each MoE layer
+    np.testing.assert_allclose(np.asarray(aux["expert_counts"]).sum(-1), 2 * 10 * 2)
+    params = nnx.state(m, nnx.Param)
+    assert all(x.dtype == jnp.float32 for x in jax.tree.leaves(params))
+    assert m.moe_layers.mlp.gate_proj[...].shape == (2, 8, 32, 16)  # [L_moe, E, D, F]
+    assert (m.dense_layers.self_attn.q_proj is None) == (q_lora is not None)
+
+
+# ---------------------------------------------------------------- routers
+def test_noaux_tc_group_top2_sum_and_bias_for_choice_only():
+    cfg = small_cfg(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                    topk_method="noaux_tc", scoring_func="sigmoid", norm_topk_prob=True,
+                    routed_scaling_factor=2.5)
+    s = [0.9, 0.1, 0.2, 0.3, 0.8, 0.7, 0.02, 0.85]
+    # group top-2 sums: g0 1.0, g1 0.5, g2 1.5, g3 0.87 -> keep g2, g0 -> experts 0 and 4
+    # (group *max* would keep g0, g3 and pick expert 7)
+    ids, w, scores = route(logit([s]), jnp.zeros(8), cfg)
+    assert sorted(np.asarray(ids[0]).tolist()) == [0, 4]
+    np.testing.assert_allclose(np.sort(np.asarray(w[0])), np.sort(np.array([0.9, 0.8]) / 1.7 * 2.5), rtol=1e-6)
+    # a +0.5 bias on expert 7 makes g3 (1.37) beat g0 (1.0): choose 7 and 4, weights from unbiased scores
+    bias = jnp.zeros(8).at[7].set(0.5)
+    ids, w, _ = route(logit([s]), bias, cfg)
+    order = np.argsort(np.asarray(ids[0]))
+    assert np.asarray(ids[0])[order].tolist() == [4, 7]
+    np.testing.assert_allclose(np.asarray(w[0])[order], np.array([0.8, 0.85]) / 1.65 * 2.5, rtol=1e-6)
+
+
+def test_noaux_tc_negative_bias_never_picks_excluded_groups():
+    # case 11: biased scores below zero; masking excluded groups with 0 would pick them
+    cfg = small_cfg(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2)
+    rng = np.random.default_rng(0)
+    p = rng.uniform(0.05, 0.95, size=(64, 8))
+    bias = jnp.full((8,), -3.0)
+    ids, _, _ = route(logit(p), bias, cfg)
+    sums = np.sort(p.reshape(64, 4, 2), axis=-1)[..., -2:].sum(-1)
+    kept = np.argsort(-sums, axis=-1)[:, :2]
+    for t in range(64):
+        assert set((np.asarray(ids[t]) // 2).tolist()) <= set(kept[t].tolist())
+
+
+def test_softmax_greedy():
+    cfg = small_cfg(n_routed_experts=4, n_group=1, topk_group=1, num_experts_per_tok=2,
+                    topk_method="greedy", scoring_func="softmax", norm_topk_prob=False,
+                    routed_scaling_factor=1.5)
+    logits = jnp.log(jnp.asarray([[1.0, 2.0, 3.0, 4.0]]))
+    ids, w, scores = route(logits, jnp.zeros(4), cfg)
+    np.testing.assert_allclose(scores[0], [0.1, 0.2, 0.3, 0.4], rtol=1e-6)
+    assert np.asarray(ids[0]).tolist() == [3, 2]
+    np.testing.assert_allclose(w[0], [0.6, 0.45], rtol=1e-6)
+    cfg = dataclasses.replace(cfg, norm_topk_prob=True)
+    _, w, _ = route(logits, jnp.zeros(4), cfg)
+    np.testing.assert_allclose(w[0], [4 / 7 * 1.5, 3 / 7 * 1.5], rtol=1e-6)
+
+
+def test_group_limited_greedy_uses_group_max():
+    cfg = small_cfg(n_routed_experts=6, n_group=3, topk_group=1, num_experts_per_tok=2,
+                    topk_method="group_limited_greedy", scoring_func="softmax", norm_topk_prob=False,
+                    routed_scaling_factor=1.0)
+    p = np.array([[0.05, 0.3, 0.2, 0.2, 0.15, 0.1]])
+    ids, w, _ = route(jnp.log(jnp.asarray(p, jnp.float32)), jnp.zeros(6), cfg)
+    # group max: g0 0.3 > g1 0.2 > g2 0.15 -> only experts 0, 1 (plain greedy would take 1 and 2/3)
+    assert np.asarray(ids[0]).tolist() == [1, 0]
+    np.testing.assert_allclose(w[0], [0.3, 0.05], rtol=1e-5)
+
+
+def test_router_bias_update_direction():
+    b = update_router_bias(jnp.zeros(4), jnp.asarray([10.0, 0.0, 5.0, 5.0]), 0.01)
+    np.testing.assert_allclose(b, [-0.01, 0.01, 0.0, 0.0])
+
+
+# ---------------------------------------------------------------- RoPE / YaRN
+def v3_rope_cfg(**rs):
+    base = dict(type="yarn", factor=40.0, original_max_position_embeddings=4096, beta_fast=32.0,
+                beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    return C.ModelConfig(qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+                         rope_scaling=C.RopeScaling(**{**base, **rs}), max_position_embeddings=163840)
+
+
+def test_yarn_values_deepseek_v3():
+    cfg = v3_rope_cfg()
+    inv, attn = inv_freq_and_attention_factor(cfg)
+    assert inv.shape == (32,) and inv.dtype == np.float32
+    pos = 10000.0 ** (np.arange(0, 64, 2) / 64)
+    # low = 10, high = 23: dims below 10 extrapolate, above 23 interpolate by 1/factor
+    np.testing.assert_allclose(inv[:10], 1 / pos[:10], rtol=1e-6)
+    np.testing.assert_allclose(inv[23:], 1 / (40 * pos[23:]), rtol=1e-6)
+    r = (15 - 10) / 13
+    np.testing.assert_allclose(inv[15], (1 / (40 * pos[15])) * r + (1 / pos[15]) * (1 - r), rtol=1e-6)
+    assert attn == 1.0
+    assert softmax_scale(cfg) == pytest.approx(0.1352338, rel=1e-6)
+    assert softmax_scale(v3_rope_cfg(mscale=0.707, mscale_all_dim=0.707)) == pytest.approx(0.1147214, rel=1e-6)
+
+
+def test_case1_softmax_scale_formula_and_attention_factor():
+    cfg = v3_rope_cfg(mscale=1.0, mscale_all_dim=1.0)
+    want = (128 + 64) ** -0.5 * (0.1 * 1.0 * math.log(40) + 1) ** 2
+    assert softmax_scale(cfg) == pytest.approx(want, rel=1e-12)
+    # only mscale_all_dim: cos/sin get 0.1 ln f + 1 (HF edge case), softmax still mscale^2
+    _, attn = inv_freq_and_attention_factor(v3_rope_cfg(mscale=None, mscale_all_dim=1.0))
+    assert attn == pytest.approx(0.1 * math.log(40) + 1)
+    assert softmax_scale(C.ModelConfig()) == pytest.approx((32 + 16) ** -0.5)
+
+
+def test_rope_is_relative_and_identity_at_zero():
+    cfg = v3_rope_cfg()
+    inv, attn = inv_freq_and_attention_factor(cfg)
+    k1, k2 = jax.random.split(jax.random.key(0))
+    q = jax.random.normal(k1, (1, 1, 1, 64))
+    k = jax.random.normal(k2, (1, 1, 1, 64))
+
+    def rot(x, p):
+        c, s = rope_cos_sin(jnp.asarray([[p]]), inv, attn)
+        return apply_rope(x, c, s)
+
+    x0 = rot(q, 0)
+    np.testing.assert_allclose(jnp.concatenate([q[..., 0::2], q[..., 1::2]], -1), x0, rtol=1e-6)
+    d1 = jnp.sum(rot(q, 100) * rot(k, 37))
+    d2 = jnp.sum(rot(q, 1063) * rot(k, 1000))
+    np.testing.assert_allclose(d1, d2, rtol=2e-4)
+
+
+# ---------------------------------------------------------------- balancing with padding (case 4)
+def test_balance_stats_ignore_padding():
+    cfg = small_cfg(aux_loss_alpha=0.01)
+    moe = MoE(cfg, rngs=nnx.Rngs(3))
+    x_real = jax.random.normal(jax.random.key(4), (2, 8, 32))
+    junk = 5.0 * jax.random.normal(jax.random.key(5), (2, 8, 32))
+    x_pad = jnp.concatenate([x_real, junk], axis=1)
+    mask_pad = jnp.concatenate([jnp.ones((2, 8), bool), jnp.zeros((2, 8), bool)], axis=1)
+    y1, s1 = moe(x_real, jnp.ones((2, 8), bool))
+    y2, s2 = moe(x_pad, mask_pad)
+    np.testing.assert_allclose(y1, y2[:, :8], rtol=1e-5, atol=1e-6)
+    for k in ("expert_counts", "router_entropy", "seq_aux"):
+        np.testing.assert_allclose(s1[k], s2[k], rtol=1e-6, atol=1e-7, err_msg=k)
+    b = jnp.zeros(8)
+    np.testing.assert_array_equal(update_router_bias(b, s1["expert_counts"], 1e-3),
+                                  update_router_bias(b, s2["expert_counts"], 1e-3))
+    assert float(s1["seq_aux"]) > 0
+
+
+# ---------------------------------------------------------------- remat and decode
+def _loss(m, toks):
+    logits, _ = m(toks)
+    return jnp.mean(jax.nn.logsumexp(logits.astype(jnp.float32), -1))
+
+
+def test_remat_same_gradients():
+    toks = jax.random.randint(jax.random.key(1), (2, 12), 0, 128)
+    grads = []
+    for remat in ("none", "full", "dots_saveable"):
+        m = DeepSeekModel(small_cfg(remat=remat), rngs=nnx.Rngs(0))
+        g = nnx.grad(_loss)(m, toks)
+        grads.append(jax.tree.leaves(nnx.state(g, nnx.Param)))
+    for other in grads[1:]:
+        for a, b in zip(grads[0], other):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("q_lora", [None, 16])
+def test_latent_cache_decode_matches_full_forward(q_lora):
+    cfg = small_cfg(q_lora_rank=q_lora, rope_scaling=C.RopeScaling(factor=4.0, original_max_position_embeddings=16,
+                                                                     mscale=1.0, mscale_all_dim=1.0))
+    m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    toks = jax.random.randint(jax.random.key(2), (2, 20), 0, 128)
+    full, _ = m(toks)
+    cache = m.init_cache(2, 24)
+    assert set(cache) == {"c_kv", "k_rope"}
+    assert cache["c_kv"].shape == (3, 2, 24, 12) and cache["k_rope"].shape == (3, 2, 24, 4)
+    l1, cache = m.decode(toks[:, :13], cache, 0)
+    outs = [l1]
+    for t in range(13, 20):
+        lt, cache = m.decode(toks[:, t:t + 1], cache, t)
+        outs.append(lt)
+    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)

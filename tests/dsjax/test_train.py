@@ -1,0 +1,185 @@
+"""Training loop: loss falls, exact resume, loss scaling and non-finite handling, accumulation,
+optimizer schedule and decay mask."""
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dsjax  # noqa: F401
+from dsjax import config as C
+from dsjax.checkpoint import Checkpointer, abstract_like
+from dsjax.data import stdlib_files
+from dsjax.train import loop
+from dsjax.train.optim import build_optimizer, build_schedule, decay_mask
+from dsjax.train.step import init_model, init_state, make_train_step
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    files = [f for f in stdlib_files() if f.name in {"textwrap.py", "bisect.py", "heapq.py", "fnmatch.py",
+                                                      "shlex.py", "colorsys.py", "queue.py", "glob.py"}]
+    for f in files:
+        shutil.copy(f, d / f.name)
+    return d
+
+
+def cfg_for(corpus, tmp_path, *extra):
+    sets = [f"data.train=[{corpus}/*.py]", "data.validation=[]", "data.val_fraction=0.25",
+            f"data.cache_dir={tmp_path}/cache", "data.seq_len=64", "data.batch_size=8",
+            "model.vocab_size=512", "optim.warmup_steps=5", "optim.learning_rate=3e-3",
+            f"train.run_dir={tmp_path}/run", "train.progress=false", "train.tensorboard=false",
+            "train.log_every=1", "train.eval_every=1000", "train.eval_batches=2"]
+    return C.load(ROOT / "configs" / "tiny.yaml", sets + list(extra))
+
+
+def read_metrics(run_dir):
+    recs = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in recs if "loss" in r}, [r for r in recs if "val_loss" in r]
+
+
+def test_tiny_config_loss_falls_over_30_steps(corpus, tmp_path):
+    cfg = cfg_for(corpus, tmp_path, "train.steps=30")
+    summary = loop.train(cfg)
+    losses, vals = read_metrics(cfg.train.run_dir)
+    first, last = np.mean([losses[s] for s in (1, 2, 3)]), np.mean([losses[s] for s in (28, 29, 30)])
+    assert last < first - 0.3, (first, last)
+    assert vals[-1]["val_loss"] < vals[0]["val_loss"] - 0.3
+    assert summary["steps"] == 30
+    rec = json.loads((Path(cfg.train.run_dir) / "metrics.jsonl").read_text().splitlines()[-2])
+    assert {"lr", "grad_norm", "tokens_per_s", "expert_load_max_over_mean", "router_entropy",
+            "loss_scale", "skipped"} <= set(rec)
+    assert len(rec["expert_load_max_over_mean"]) == cfg.model.num_moe_layers
+    assert (Path(cfg.train.run_dir) / "tokenizer.json").is_file()
+
+
+def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path):
+    a = cfg_for(corpus, tmp_path / "a", "train.steps=6", "checkpoint.every=3")
+    loop.train(a)
+    # B: the same run interrupted after step 3 (only checkpoint 3 survives), then resumed
+    b_dir = tmp_path / "b" / "run"
+    (b_dir / "checkpoints").mkdir(parents=True)
+    shutil.copytree(tmp_path / "a" / "run" / "checkpoints" / "3", b_dir / "checkpoints" / "3")
+    b = cfg_for(corpus, tmp_path / "b", "train.steps=6", "checkpoint.every=3")
+    with pytest.raises(FileExistsError, match="--resume"):
+        loop.train(b)
+    loop.train(b, resume=True)
+    la, _ = read_metrics(a.train.run_dir)
+    lb, _ = read_metrics(b.train.run_dir)
+    assert sorted(lb) == [4, 5, 6]
+    for s in (4, 5, 6):
+        assert la[s] == lb[s], (s, la[s], lb[s])
+    # final states identical too, router biases (outside the optimizer) included
+    fns, p, r = init_model(a)
+    tx, _ = build_optimizer(a.optim, 6)
+    abstract = abstract_like(init_state(p, r, tx))
+    sa = Checkpointer(Path(a.train.run_dir) / "checkpoints", read_only=True).restore(abstract)
+    sb = Checkpointer(b_dir / "checkpoints", read_only=True).restore(abstract)
+    assert sa[3] == sb[3] == 6 and sa[1] == sb[1]
+    for x, y in zip(jax.tree.leaves(sa[0]), jax.tree.leaves(sb[0])):
+        np.testing.assert_array_equal(x, y)
+    bias = sa[0]["rest"]["moe_layers"]["mlp"]["e_score_correction_bias"]
+    assert float(jnp.abs(bias).sum()) > 0
+
+
+def _batch(cfg, seed, accum, nan_at=None):
+    B, T = cfg.data.batch_size, cfg.data.seq_len
+    rng = np.random.default_rng(seed)
+    toks = rng.integers(0, cfg.model.vocab_size, size=(accum, B // accum if accum > 1 else B, T + 1))
+    mask = np.ones(toks[..., 1:].shape, np.float32)
+    if nan_at is not None:
+        mask[0, 0, nan_at] = np.nan
+    seg = np.ones(mask.shape, np.int32)
+    pos = np.broadcast_to(np.arange(T, dtype=np.int32), mask.shape)
+    return {"inputs": jnp.asarray(toks[..., :-1], jnp.int32), "targets": jnp.asarray(toks[..., 1:], jnp.int32),
+            "loss_mask": jnp.asarray(mask), "segment_ids": jnp.asarray(seg), "positions": jnp.asarray(pos)}
+
+
+def _small(tmp_path, *extra):
+    return C.load(ROOT / "configs" / "tiny.yaml", ["data.seq_len=16", "data.batch_size=4", "model.vocab_size=256",
+                                                   "model.hidden_size=32", "model.num_hidden_layers=2",
+                                                   f"train.run_dir={tmp_path}/run", *extra])
+
+
+def test_fp16_nonfinite_step_is_skipped_and_scale_halves(tmp_path):
+    # case 7 under fp16: params and optimizer state bit-identical, scale halves, counter rises
+    cfg = _small(tmp_path, "model.dtype=float16")
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    state = init_state(p, r, tx)
+    state["loss_scale"] = jnp.asarray(2.0 ** 15, jnp.float32)
+    step = jax.jit(make_train_step(cfg, fns, tx, sched))
+    before = jax.tree.map(np.asarray, state)
+    state, m = step(state, _batch(cfg, 0, 1, nan_at=3))
+    assert not bool(m["finite"])
+    for k in ("params", "opt", "rest"):
+        for x, y in zip(jax.tree.leaves(before[k]), jax.tree.leaves(state[k])):
+            np.testing.assert_array_equal(x, y)
+    assert float(state["loss_scale"]) == 2.0 ** 14 and int(state["skipped"]) == 1
+    assert int(state["step"]) == 0 and int(state["nonfinite_step"]) == 0
+    state, m = step(state, _batch(cfg, 1, 1))
+    assert bool(m["finite"]) and int(state["step"]) == 1 and float(state["loss_scale"]) == 2.0 ** 14
+    assert int(state["good_steps"]) == 1 and np.isfinite(float(m["loss"]))
+    state["good_steps"] = jnp.asarray(1999, jnp.int32)
+    state, _ = step(state, _batch(cfg, 2, 1))
+    assert float(state["loss_scale"]) == 2.0 ** 15 and int(state["good_steps"]) == 0
+
+
+def test_bf16_nonfinite_stops_naming_the_step(corpus, tmp_path, monkeypatch):
+    cfg = cfg_for(corpus, tmp_path, "train.steps=6", "model.dtype=bfloat16", "data.seq_len=32")
+    orig = loop.PackedLoader.__next__
+    calls = {"n": 0}
+
+    def poisoned(self):
+        b = orig(self)
+        calls["n"] += 1
+        if self.shuffle and calls["n"] == 3:
+            b = dict(b)
+            b["loss_mask"] = b["loss_mask"].copy()
+            b["loss_mask"][0, 0] = np.nan
+        return b
+
+    monkeypatch.setattr(loop.PackedLoader, "__next__", poisoned)
+    with pytest.raises(loop.NonFiniteError, match="non-finite gradients at step 3"):
+        loop.train(cfg)
+
+
+def test_grad_accumulation_matches_one_big_batch(tmp_path):
+    cfg1 = _small(tmp_path, "train.grad_accum=1")
+    cfg2 = _small(tmp_path, "train.grad_accum=2")
+    fns, p, r = init_model(cfg1)
+    tx, sched = build_optimizer(cfg1.optim, 10)
+    big = _batch(cfg1, 0, 1)
+    split = jax.tree.map(lambda x: x.reshape(2, x.shape[1] // 2, *x.shape[2:]), big)
+    # uneven real-token counts per micro-batch: normalisation must be by the global count
+    split["loss_mask"] = split["loss_mask"].at[1, :, 8:].set(0.0)
+    big["loss_mask"] = split["loss_mask"].reshape(big["loss_mask"].shape)
+    s1, m1 = jax.jit(make_train_step(cfg1, fns, tx, sched))(init_state(p, r, tx), big)
+    s2, m2 = jax.jit(make_train_step(cfg2, fns, tx, sched))(init_state(p, r, tx), split)
+    np.testing.assert_allclose(m1["loss"], m2["loss"], rtol=1e-5)
+    np.testing.assert_allclose(m1["grad_norm"], m2["grad_norm"], rtol=1e-4)
+    for x, y in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
+        np.testing.assert_allclose(x, y, rtol=1e-4, atol=1e-6)
+
+
+def test_schedules_and_decay_mask(tmp_path):
+    o = C.OptimConfig(learning_rate=1.0, warmup_steps=10, min_lr_ratio=0.1)
+    s = build_schedule(o, 110)
+    assert float(s(0)) == 0.0 and float(s(5)) == pytest.approx(0.5)
+    assert float(s(10)) == pytest.approx(1.0) and float(s(110)) == pytest.approx(0.1)
+    w = build_schedule(C.OptimConfig(learning_rate=1.0, warmup_steps=0, schedule="wsd",
+                                     wsd_decay_fraction=0.2, min_lr_ratio=0.0), 100)
+    assert float(w(79)) == pytest.approx(1.0) and float(w(90)) == pytest.approx(0.5) and float(w(100)) == 0.0
+    cfg = _small(tmp_path)
+    _, p, _ = init_model(cfg)
+    mask = decay_mask(p)
+    assert mask["embed_tokens"] and mask["lm_head"]["kernel"]
+    assert not mask["norm"]["weight"] and not mask["moe_layers"]["input_layernorm"]["weight"]
+    assert mask["moe_layers"]["mlp"]["gate_proj"]
