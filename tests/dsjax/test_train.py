@@ -183,3 +183,37 @@ def test_schedules_and_decay_mask(tmp_path):
     assert mask["embed_tokens"] and mask["lm_head"]["kernel"]
     assert not mask["norm"]["weight"] and not mask["moe_layers"]["input_layernorm"]["weight"]
     assert mask["moe_layers"]["mlp"]["gate_proj"]
+
+
+def test_sigterm_saves_and_resume_continues(corpus, tmp_path):
+    import signal
+    import subprocess
+    import time
+
+    run = tmp_path / "run"
+    args = [sys.executable, "-m", "dsjax.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+            "--set", f"data.train=[{corpus}/*.py]", "--set", f"data.cache_dir={tmp_path}/cache",
+            "--set", "data.seq_len=32", "--set", "data.batch_size=4", "--set", "model.vocab_size=300",
+            "--set", "model.num_hidden_layers=2", "--set", f"train.run_dir={run}",
+            "--set", "train.progress=false", "--set", "train.log_every=1", "--set", "train.eval_every=100000",
+            "--set", "checkpoint.every=100000"]
+    proc = subprocess.Popen(args + ["--set", "train.steps=100000"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 240
+    while time.time() < deadline:
+        if metrics.exists() and sum(1 for l in metrics.read_text().splitlines() if '"loss"' in l) >= 3:
+            break
+        assert proc.poll() is None, proc.stdout.read()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 143, out
+    ck = Checkpointer(run / "checkpoints", read_only=True)
+    saved = ck.latest_step()
+    assert saved is not None and saved >= 3 and f"saved checkpoint at step {saved}" in out
+    r = subprocess.run(args + ["--set", f"train.steps={saved + 2}", "--resume"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    losses, _ = read_metrics(run)
+    assert max(losses) == saved + 2
