@@ -1,11 +1,14 @@
 """Packed, deterministic, resumable batches of token ids.
 
-Stream. Each document is tokenised and followed by EOS; documents are concatenated in epoch
-order (shuffled per epoch with ``numpy.random.default_rng(seed + epoch)``, or file order) into
-one token stream that runs on across epoch boundaries. Row ``r`` of the stream is
-``stream[r*T : r*T + T + 1]`` (T = ``seq_len``): consecutive rows share one token, so every
-token-to-next-token transition is a target exactly once. A document may continue into the
-next row (standard packing). A batch is ``batch_size`` consecutive rows.
+Lanes. Each of the ``batch_size`` global rows of a batch is fed by its own lane. In epoch e the
+documents are put in order (``numpy.random.default_rng(seed + e).permutation``, or file order
+without shuffling) and dealt round-robin: lane j gets ``order[j::batch_size]``. A lane
+tokenises its documents, appends EOS to each, and concatenates them into one token stream that
+runs on across its epoch boundaries. Lane j's row in batch i is ``stream_j[i*T : i*T + T + 1]``
+(T = ``seq_len``): consecutive rows of a lane share one token, so every token-to-next-token
+transition is a target exactly once, and a long document continues in the same row of the next
+batch. Every batch therefore mixes ``batch_size`` different documents (packing one stream row
+after row would fill a whole batch from one or two long files: highly correlated gradients).
 
 Per batch (B = rows of this process, T = ``seq_len``; all numpy):
   inputs      [B, T] int32    row[:-1]
@@ -26,16 +29,17 @@ Per batch (B = rows of this process, T = ``seq_len``; all numpy):
                               attention only sees differences of positions inside a segment, so
                               this equals the true in-document offset and keeps positions < T.
 
-Padding (pad_id, mask 0, segment 0, position 0) appears only at the end of a finite pass
-(``iter_epoch_once``): the last row is completed and the last batch filled with padding rows.
+Padding (pad_id, mask 0, segment 0, position 0) appears only in a finite pass
+(``iter_epoch_once``): once a lane has run out of documents its rows are padding; the pass ends
+when every lane has.
 
-Resume. ``state()`` is the stream cursor ``{epoch, doc, offset}`` (document index in the epoch
-order and token offset inside it, EOS included) plus checks; ``restore`` re-tokenises that one
-document and continues, so a restored loader yields exactly the batches the original would.
-The state is in token units, independent of batch size and of process count.
+Resume. ``state()`` holds each lane's cursor ``[epoch, doc, offset]`` (document index in the lane's
+share of the epoch order and token offset inside it, EOS included) plus checks; ``restore``
+re-tokenises those documents and continues, so a restored loader yields exactly the batches the
+original would. Resuming needs the same batch_size (the number of lanes).
 
-Hosts. With ``process_count`` P every process walks the same global stream and returns rows
-``[i*B/P, (i+1)*B/P)`` of each global batch of ``batch_size`` rows.
+Hosts. With ``process_count`` P every process advances all lanes (cheap: token counts) and
+returns rows ``[i*B/P, (i+1)*B/P)`` of each global batch of ``batch_size`` rows.
 """
 from __future__ import annotations
 
@@ -43,15 +47,16 @@ from collections.abc import Callable, Iterable, Iterator
 
 import numpy as np
 
-_STATE_VERSION = 1
+_STATE_VERSION = 2
 
 
 class _Stream:
     """Cursor over the concatenated token stream of ``docs`` (with EOS after each)."""
 
     def __init__(self, docs: list[str], tok, seed: int, shuffle: bool, finite: bool,
-                 chunk_docs: int):
+                 chunk_docs: int, lane: int = 0, lanes: int = 1):
         self.docs, self.tok, self.seed = docs, tok, seed
+        self.lane, self.lanes = lane, lanes
         self.shuffle, self.finite, self.chunk_docs = shuffle, finite, chunk_docs
         self.epoch, self.doc, self.offset = 0, 0, 0
         self._orders: dict[int, np.ndarray] = {}
@@ -61,8 +66,9 @@ class _Stream:
         if epoch not in self._orders:
             n = len(self.docs)
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}
-            self._orders[epoch] = (np.random.default_rng(self.seed + epoch).permutation(n)
-                                   if self.shuffle else np.arange(n))
+            full = (np.random.default_rng(self.seed + epoch).permutation(n)
+                    if self.shuffle else np.arange(n))
+            self._orders[epoch] = full[self.lane::self.lanes]
         return self._orders[epoch]
 
     def tokens(self, epoch: int, doc: int) -> np.ndarray:
@@ -82,7 +88,7 @@ class _Stream:
         toks, serial, have = [], [], 0
         epoch, doc, off, s = self.epoch, self.doc, self.offset, 0
         while have < n:
-            if doc == len(self.docs):
+            if doc == len(self.order(epoch)):
                 if self.finite:
                     break
                 epoch, doc = epoch + 1, 0
@@ -96,7 +102,7 @@ class _Stream:
 
     def advance(self, n: int) -> None:
         while n > 0:
-            if self.doc == len(self.docs):
+            if self.doc == len(self.order(self.epoch)):
                 if self.finite:
                     return
                 self.epoch, self.doc = self.epoch + 1, 0
@@ -106,7 +112,7 @@ class _Stream:
                 return
             n -= left
             self.doc, self.offset = self.doc + 1, 0
-        if self.doc == len(self.docs) and not self.finite:
+        if self.doc == len(self.order(self.epoch)) and not self.finite:
             self.epoch, self.doc = self.epoch + 1, 0
 
 
@@ -171,32 +177,50 @@ class PackedLoader:
         self.tok, self.batch_size, self.seq_len = tok, batch_size, seq_len
         self.seed, self.shuffle, self.chunk_docs = seed, shuffle, chunk_docs
         self.process_index, self.process_count = process_index, process_count
-        self._stream = _Stream(self.docs, tok, seed, shuffle, False, chunk_docs)
+        self._streams = self._lanes(shuffle, finite=False)
 
-    def _batch(self, stream: _Stream) -> dict[str, np.ndarray] | None:
-        B, T = self.batch_size, self.seq_len
-        tokens, serial = stream.peek(B * T + 1)
-        if len(tokens) < 2:
-            return None
-        stream.advance(B * T)
-        rows = B // self.process_count
+    def _lanes(self, shuffle: bool, finite: bool) -> list[_Stream]:
+        if not finite and len(self.docs) < self.batch_size:
+            # only an endless pass needs every lane fed; a finite pass pads empty lanes
+            return []
+        return [_Stream(self.docs, self.tok, self.seed, shuffle, finite, self.chunk_docs, j,
+                        self.batch_size) for j in range(self.batch_size)]
+
+    def _batch(self, streams: list[_Stream]) -> dict[str, np.ndarray] | None:
+        T = self.seq_len
+        rows = self.batch_size // self.process_count
         lo = self.process_index * rows
-        part = slice(lo * T, (lo + rows) * T + 1)
-        return pack_rows(tokens[part], serial[part], rows, T, self.tok.pad_id)
+        out, live = [], False
+        for j, stream in enumerate(streams):
+            if lo <= j < lo + rows:
+                tokens, serial = stream.peek(T + 1)
+                live |= len(tokens) >= 2
+                out.append(pack_rows(tokens, serial, 1, T, self.tok.pad_id))
+            else:
+                live |= len(stream.peek(2)[0]) >= 2
+            stream.advance(T)
+        if not live:
+            return None
+        return {k: np.concatenate([o[k] for o in out]) for k in out[0]}
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        return self._batch(self._stream)
+        if not self._streams:
+            raise ValueError(f"PackedLoader: {len(self.docs)} documents cannot feed "
+                             f"{self.batch_size} lanes (batch rows); use a smaller batch_size "
+                             f"or more documents")
+        return self._batch(self._streams)
 
     def iter_epoch_once(self, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:
         """One unshuffled pass over the documents (validation), from the start, independent of
-        (and not moving) the training cursor. The last batch is padded; at most ``max_batches``."""
-        stream = _Stream(self.docs, self.tok, self.seed, False, True, self.chunk_docs)
+        (and not moving) the training cursor. Exhausted lanes give padding rows; at most
+        ``max_batches`` batches."""
+        streams = self._lanes(shuffle=False, finite=True)
         n = 0
         while max_batches is None or n < max_batches:
-            batch = self._batch(stream)
+            batch = self._batch(streams)
             if batch is None:
                 return
             n += 1
@@ -208,24 +232,29 @@ class PackedLoader:
                    for t in self.tok.encode_batch(self.docs[i:i + 1024]))
 
     def state(self) -> dict:
-        """JSON-serialisable cursor: where the next batch starts in the token stream."""
-        s = self._stream
-        return {"version": _STATE_VERSION, "epoch": s.epoch, "doc": s.doc, "offset": s.offset,
-                "seed": self.seed, "shuffle": self.shuffle, "num_docs": len(self.docs)}
+        """JSON-serialisable cursors: where each lane's next row starts in its token stream."""
+        return {"version": _STATE_VERSION, "seed": self.seed, "shuffle": self.shuffle,
+                "num_docs": len(self.docs), "lanes": self.batch_size,
+                "cursors": [[s.epoch, s.doc, s.offset] for s in self._streams]}
 
     def restore(self, state: dict) -> None:
-        """Continue from ``state()`` of a loader over the same documents, seed and shuffle."""
+        """Continue from ``state()`` of a loader over the same documents, seed, shuffle and
+        batch_size. Raises ValueError naming the first mismatch."""
         mine = self.state()
-        for k in ("version", "seed", "shuffle", "num_docs"):
+        for k in ("version", "seed", "shuffle", "num_docs", "lanes"):
             if state.get(k) != mine[k]:
                 raise ValueError(f"loader state mismatch on {k!r}: checkpoint has "
                                  f"{state.get(k)!r}, this loader {mine[k]!r}")
-        self._stream = _Stream(self.docs, self.tok, self.seed, self.shuffle, False,
-                               self.chunk_docs)
-        s = self._stream
-        s.epoch, s.doc, s.offset = int(state["epoch"]), int(state["doc"]), int(state["offset"])
-        if not (0 <= s.doc < len(self.docs) and 0 <= s.offset < len(s.tokens(s.epoch, s.doc))):
-            raise ValueError(f"loader state {state} does not fit this corpus/tokenizer "
-                             f"(document {s.doc} has {len(s.tokens(s.epoch, s.doc))} tokens)"
-                             if 0 <= s.doc < len(self.docs) else
-                             f"loader state {state}: document index out of range")
+        streams = self._lanes(self.shuffle, finite=False)
+        if len(state["cursors"]) != len(streams):
+            raise ValueError("loader state mismatch on 'cursors': wrong number of lanes")
+        for s, (epoch, doc, offset) in zip(streams, state["cursors"]):
+            s.epoch, s.doc, s.offset = int(epoch), int(doc), int(offset)
+            share = len(s.order(s.epoch))
+            if not 0 <= s.doc < share:
+                raise ValueError(f"loader state: lane {s.lane} document index {s.doc} out of range")
+            n = len(s.tokens(s.epoch, s.doc))
+            if not 0 <= s.offset < n:
+                raise ValueError(f"loader state: lane {s.lane} offset {s.offset} does not fit this "
+                                 f"corpus/tokenizer (document has {n} tokens)")
+        self._streams = streams

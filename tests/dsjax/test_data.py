@@ -166,40 +166,50 @@ def test_packing_invariants(tok):
     docs, B, T = _docs(), 3, 40
     L = PackedLoader(docs, tok, B, T, seed=0, shuffle=False)
     batches = list(L.iter_epoch_once())
-    stream = _stream(tok, docs)
-    inp = np.concatenate([b["inputs"] for b in batches])
-    tgt = np.concatenate([b["targets"] for b in batches])
-    mask = np.concatenate([b["loss_mask"] for b in batches])
-    seg = np.concatenate([b["segment_ids"] for b in batches])
-    pos = np.concatenate([b["positions"] for b in batches])
     for b in batches:
         assert {k: (v.shape, v.dtype.name) for k, v in b.items()} == {
             "inputs": ((B, T), "int32"), "targets": ((B, T), "int32"),
             "loss_mask": ((B, T), "float32"), "segment_ids": ((B, T), "int32"),
             "positions": ((B, T), "int32")}
-    idx = np.arange(len(inp))[:, None] * T + np.arange(T)[None, :]  # stream index of input
-    real = seg > 0
-    assert np.array_equal(real, idx < len(stream))
-    # Rows tile the stream with stride T; targets are inputs shifted by one.
-    assert np.array_equal(inp[real], stream[idx[real]])
-    assert np.array_equal(tgt[idx + 1 < len(stream)], stream[idx[idx + 1 < len(stream)] + 1])
-    assert np.array_equal(tgt[:, :-1], inp[:, 1:])
-    # Trained: every transition inside a document, incl. last token -> EOS. Not trained: EOS ->
-    # next document's first token, and padding.
-    is_eos = real & (inp == tok.eos_id)
-    assert np.array_equal(mask == 1, (idx + 1 < len(stream)) & ~is_eos)
-    assert mask.sum() == len(stream) - len(docs)
-    assert ((tgt == tok.eos_id) & (mask == 1)).sum() == len(docs)
-    # Segments: start at 1 each row, +1 after each EOS; positions restart at segment starts.
-    for r in range(len(inp)):
-        s, p, e = seg[r][real[r]], pos[r][real[r]], is_eos[r][real[r]]
-        if not len(s):
-            continue  # a padding row
-        assert s[0] == 1 and p[0] == 0
-        step = np.diff(s)
-        assert np.array_equal(step, e[:-1].astype(int))
-        assert np.array_equal(p[1:], np.where(step == 1, 0, p[:-1] + 1))
-    assert (pos[~real] == 0).all() and (inp[~real] == tok.pad_id).all()
+    total_eos = 0
+    for j in range(B):  # lane j: documents j, j+B, j+2B, ... in one stream, one row per batch
+        lane_docs = docs[j::B]
+        stream = _stream(tok, lane_docs)
+        inp, tgt, mask, seg, pos = (np.stack([b[k][j] for b in batches]) for k in
+                                    ("inputs", "targets", "loss_mask", "segment_ids", "positions"))
+        idx = np.arange(len(inp))[:, None] * T + np.arange(T)[None, :]  # stream index of input
+        real = seg > 0
+        assert np.array_equal(real, idx < len(stream))
+        # Rows tile the lane's stream with stride T; targets are inputs shifted by one.
+        assert np.array_equal(inp[real], stream[idx[real]])
+        assert np.array_equal(tgt[idx + 1 < len(stream)], stream[idx[idx + 1 < len(stream)] + 1])
+        assert np.array_equal(tgt[:, :-1], inp[:, 1:])
+        # Trained: every transition inside a document, incl. last token -> EOS. Not trained:
+        # EOS -> next document's first token, and padding.
+        is_eos = real & (inp == tok.eos_id)
+        assert np.array_equal(mask == 1, (idx + 1 < len(stream)) & ~is_eos)
+        assert mask.sum() == len(stream) - len(lane_docs)
+        total_eos += ((tgt == tok.eos_id) & (mask == 1)).sum()
+        # Segments: start at 1 each row, +1 after each EOS; positions restart at segment starts.
+        for r in range(len(inp)):
+            s, p, e = seg[r][real[r]], pos[r][real[r]], is_eos[r][real[r]]
+            if not len(s):
+                continue  # a padding row
+            assert s[0] == 1 and p[0] == 0
+            step = np.diff(s)
+            assert np.array_equal(step, e[:-1].astype(int))
+            assert np.array_equal(p[1:], np.where(step == 1, 0, p[:-1] + 1))
+        assert (pos[~real] == 0).all() and (inp[~real] == tok.pad_id).all()
+    assert total_eos == len(docs)
+
+
+def test_batches_mix_documents(tok):
+    """Every training batch draws its rows from batch_size different documents."""
+    docs = [f"doc{i} " + "x = 1\n" * 200 for i in range(12)]
+    L = PackedLoader(docs, tok, 4, 16, seed=0)
+    b = next(L)
+    heads = {tok.decode(b["inputs"][r][:8].tolist()).split()[0] for r in range(4)}
+    assert len(heads) == 4 and all(h.startswith("doc") for h in heads), heads
 
 
 def test_shuffle_epochs(tok):
@@ -211,7 +221,7 @@ def test_shuffle_epochs(tok):
     ep1 = _stream(tok, [docs[i] for i in np.random.default_rng(6).permutation(len(docs))])
     ep0 = _stream(tok, [docs[i] for i in order])
     n0 = len(ep0) // 16 * 16
-    L.restore({**L.state(), "epoch": 0, "doc": 0, "offset": 0})
+    L.restore({**L.state(), "cursors": [[0, 0, 0]]})
     toks = np.concatenate([next(L)["inputs"][0] for _ in range(n0 // 16 + 3)])
     assert np.array_equal(toks, np.concatenate([ep0, ep1])[:len(toks)])
     b = next(PackedLoader(docs, tok, 1, 16, seed=5, shuffle=False))
@@ -234,7 +244,7 @@ def test_resume_exact(tok, k):
         for key in exp:
             assert np.array_equal(got[key], exp[key]), (k, key)
     if k >= 7:
-        assert state["epoch"] >= 1
+        assert max(c[0] for c in state["cursors"]) >= 1
 
 
 def test_restore_mismatch(tok):
@@ -244,7 +254,10 @@ def test_restore_mismatch(tok):
     with pytest.raises(ValueError, match="seed"):
         PackedLoader(_docs(9), tok, 2, 24, seed=4).restore(a.state())
     with pytest.raises(ValueError, match="does not fit"):
-        PackedLoader(_docs(9), tok, 2, 24, seed=3).restore({**a.state(), "offset": 10**6})
+        PackedLoader(_docs(9), tok, 2, 24, seed=3).restore(
+            {**a.state(), "cursors": [[0, 0, 10**6], [0, 0, 0]]})
+    with pytest.raises(ValueError, match="lanes"):
+        PackedLoader(_docs(9), tok, 3, 24, seed=3).restore(a.state())
 
 
 @pytest.mark.parametrize("P", [2, 4])
@@ -276,7 +289,12 @@ def test_validation_pass(tok):
     before = L.state()
     full = list(L.iter_epoch_once())
     assert L.state() == before  # validation does not move the training cursor
-    assert all((b["segment_ids"] > 0).all() for b in full[:-1])  # padding only at the end
+    # padding only once a lane has run out: no real token after padding in any row's lane
+    real = np.stack([b["segment_ids"] > 0 for b in full])  # [batches, B, T]
+    lane_real = real.transpose(1, 0, 2).reshape(2, -1)
+    for lane in lane_real:
+        first_pad = np.argmin(lane) if not lane.all() else len(lane)
+        assert not lane[first_pad:].any()
     assert len(list(L.iter_epoch_once(max_batches=3))) == 3
     assert np.array_equal(list(L.iter_epoch_once())[-1]["inputs"], full[-1]["inputs"])
     assert full[-1]["loss_mask"].sum() < full[-1]["loss_mask"].size
