@@ -46,6 +46,9 @@ class TileConfig:
     memory_registers: int = 40
 
 
+DEFAULT_CONFIG = TileConfig()
+
+
 def on_hopper() -> bool:
     """True when the default backend is a CUDA GPU of compute capability 9.x."""
     try:
@@ -148,7 +151,7 @@ def _store_rows(src_smem, dst_gmem, lo, hi, tile_m):
             p //= 2
 
 
-def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=TileConfig()):
+def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
     """Grouped GEMM: out[i] = x[i] @ w[g(i)] (or @ w[g(i)]^T when transpose_rhs).
 
     Args:
@@ -160,6 +163,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=TileCo
     Raises:
       ValueError: dtype not bf16/f16, Kc not a multiple of tile_k, N not a multiple of 128.
     """
+    config = config or DEFAULT_CONFIG
     check_dtypes(x, w)
     m, kc = x.shape
     e = w.shape[0]
@@ -280,7 +284,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=TileCo
     return call(table, x, w)
 
 
-def tgmm(x, dy, group_sizes, *, out_dtype=None, config=TileConfig()):
+def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
     """Ragged-contraction grouped GEMM (weight gradient): dw[g] = x[rows g]^T @ dy[rows g].
 
     Args:
@@ -292,6 +296,7 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=TileConfig()):
     Raises:
       ValueError: dtype not bf16/f16, Kx not a multiple of 64, N not a multiple of 128.
     """
+    config = config or DEFAULT_CONFIG
     check_dtypes(x, dy)
     m, kx = x.shape
     n = dy.shape[1]
