@@ -47,9 +47,30 @@ class Config:
 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SMEM_BYTES = 220 * 1024    # of the H100/H200's 227 KiB per block, leaving room for barriers
 
 
-def check_supported(q, k, v, cfg: Config = Config()):
+def smem_bytes(Dqk, Dv, cfg: Config):
+    """Shared memory (bytes, 2-byte inputs) of the forward, dq and dkv kernels."""
+    qo = Dqk if Dv <= Dqk else Dqk + Dv      # O reuses Q's buffer when it fits
+    fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
+    dq = (2 * cfg.block_q + cfg.stages_bwd * cfg.block_kv_dq) * (Dqk + Dv) * 2
+    dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
+    return fwd, dq, dkv
+
+
+def default_config(Dqk, Dv) -> Config:
+    """Largest tiles that fit shared memory: 128-key forward steps and 2-deep backward
+    pipelines up to Dqk + Dv = 320 (MLA 192/128); 64-key steps / 1-deep backward for 256/256."""
+    cfg = Config()
+    if smem_bytes(Dqk, Dv, cfg)[0] > SMEM_BYTES:
+        cfg = dataclasses.replace(cfg, block_kv=64)
+    if max(smem_bytes(Dqk, Dv, cfg)[1:]) > SMEM_BYTES:
+        cfg = dataclasses.replace(cfg, stages_bwd=1)
+    return cfg
+
+
+def check_supported(q, k, v, cfg: Config | None = None):
     """Raise ValueError for inputs the Mosaic kernels cannot take."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if jnp.dtype(x.dtype) not in SUPPORTED_DTYPES:
@@ -61,6 +82,11 @@ def check_supported(q, k, v, cfg: Config = Config()):
         if d % 64 or d > 256:
             raise ValueError(f"{name}={d}: the Mosaic GPU kernel takes head dims that are multiples"
                              " of 64 and at most 256")
+    cfg = default_config(Dqk, Dv) if cfg is None else cfg
+    need = smem_bytes(Dqk, Dv, cfg)
+    if max(need) > SMEM_BYTES:
+        raise ValueError(f"Dqk={Dqk}, Dv={Dv} with {cfg}: needs {max(need)} bytes of shared memory"
+                         f" (fwd, dq, dkv = {need}); the limit is {SMEM_BYTES}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -745,7 +771,7 @@ _attention.defvjp(_attention_fwd, _attention_bwd)
 
 
 def flash_attention_mosaic(q, k, v, *, causal=True, scale=None, segments=None, q_offset=0,
-                           kv_offset=0, cfg: Config = Config(), interpret=None):
+                           kv_offset=0, cfg: Config | None = None, interpret=None):
     """Mosaic GPU flash attention with its own backward kernels.
 
     Args:
@@ -759,6 +785,7 @@ def flash_attention_mosaic(q, k, v, *, causal=True, scale=None, segments=None, q
       (o [B, T, N, Dv] in q.dtype, lse [B, N, T] fp32 natural log, -inf on fully masked rows).
     """
     check_supported(q, k, v, cfg)
+    cfg = default_config(q.shape[-1], v.shape[-1]) if cfg is None else cfg
     scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
     segs = None if segments is None else (jnp.asarray(segments[0]), jnp.asarray(segments[1]))
     return _attention(q, k, v, segs, (q_offset, kv_offset), scale, causal, cfg, interpret)
