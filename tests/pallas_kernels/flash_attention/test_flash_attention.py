@@ -134,7 +134,7 @@ def test_kernel_no_races():
     if ON_GPU:
         pytest.skip("race detection is a CPU interpret-mode check; compiled cases run above")
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    q, k, v, _ = _inputs(3, 1, 130, 130, 2, 1, 192, 128, jnp.bfloat16)
+    q, k, v, _ = _inputs(3, 1, 100, 100, 1, 1, 192, 128, jnp.bfloat16)
     ip = plgpu.InterpretGPUParams(detect_races=True)
     f = lambda q, k, v: mg.flash_attention_mosaic(q, k, v, causal=True, interpret=ip)[0]
     o = f(q, k, v)
