@@ -688,6 +688,10 @@ def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, 
     wgb, ctab = _fwd_ranges(B, Tp, Sp, T, S, causal, delta, q_seg, kv_seg, cfg, cfg.block_kv_dq)
     dq = _dq_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb, ctab, delta, q_seg, kv_seg,
                          scale=scale, causal=causal, S=S, cfg=cfg, interpret=interpret)
+    if interpret is not None:
+        # GPU interpret mode keeps global simulator state: run the two kernels one after the
+        # other (under jit, XLA:CPU could otherwise run them concurrently and hang).
+        dq, qp = lax.optimization_barrier((dq, qp))
     wgb2, ctab2 = _tile_ranges(B=B, n_rows_p=Sp, row_block=cfg.block_kv_dkv, n_cols_p=Tp,
                                col_block=cfg.block_q_dkv, rows_are_q=False, T=T, S=S,
                                causal=causal, delta=delta[0], q_seg=q_seg, kv_seg=kv_seg)
