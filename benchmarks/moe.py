@@ -33,6 +33,7 @@ SHAPES = {"v2lite": dict(T=16384, K=6, E=64, D=2048, I=1408),
 
 
 REPS = (5, 5)  # (batches, calls per batch); --quick: (1, 1)
+ONLY_OURS = False
 
 
 def bench(fn, *args, reps=None, inner=None):
@@ -102,6 +103,8 @@ def run_shape(name, s, rows, sweep, tok):
         print(json.dumps(r), flush=True)
 
     def attempt(label, f):
+        if ONLY_OURS and ("dense" in label or "permute" in label):
+            return
         try:
             f()
         except Exception as err:  # noqa: BLE001
@@ -160,7 +163,7 @@ def run_shape(name, s, rows, sweep, tok):
     impls = {"ours": lambda a, b, g: api.grouped_matmul(a, b, g, impl="pallas")}
     if tok is not None:
         impls["tokamax mosaic"] = tok
-    if name == "v2lite":
+    if name == "v2lite" and not ONLY_OURS:
         impls["lax.ragged_dot"] = lambda a, b, g: jax.lax.ragged_dot(a, b, g)
     for iname, f in impls.items():
         attempt(f"gemm fwd {iname}", lambda f=f, iname=iname: add(
@@ -237,12 +240,15 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--try-ragged-bwd", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one timed call (smoke test)")
+    ap.add_argument("--only-ours", action="store_true", help="skip the peers and permute")
     args = ap.parse_args()
     if args.quick:
         global REPS
         REPS = (1, 1)
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
-    tok = tokamax_ragged_dot()
+    global ONLY_OURS
+    ONLY_OURS = args.only_ours
+    tok = None if args.only_ours else tokamax_ragged_dot()
     rows = []
     for name in args.shapes.split(","):
         try:

@@ -14,8 +14,9 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   kernel's size does not grow with E. Rows past sum(group_sizes) are written as zeros.
 * `tgmm`: dw[E, Kx, N] = per group x[rows]^T @ dy[rows] (the ragged dimension is the
   contraction). Work items are (group, Kx tile, N tile); the pipeline walks the group's
-  rows from its first row in tk-row steps and zeroes the rows past the group's end in the
-  last step. Empty groups give zeros.
+  rows in tk-row steps from the 8-aligned row at or below the group's first row (TMA into
+  8-row-tiled SMEM) and zeroes the rows outside the group in the first and last steps.
+  Empty groups give zeros.
 
 Maths: grouped GEMM of MegaBlocks (arXiv 2211.15841, sec. 5); dx = dy @ w^T and
 dw = x^T @ dy per expert are the standard matmul derivatives. wgmma/TMA usage follows the
@@ -361,18 +362,24 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
                 ni = rem % grid_n
                 start = starts_ref[g]
                 size = sizes_ref[g]
-                steps = (size + tk - 1) // tk
-                last_rows = size - (steps - 1) * tk  # valid rows of the last step, in (0, tk]
+                # TMA into 8-row-tiled SMEM needs a row offset that is a multiple of 8: start
+                # from the 8-aligned row below the group and mask rows outside [lo, hi).
+                base = pl.multiple_of(start // 8 * 8, 8)
+                lo = start - base
+                hi = lo + size
+                steps = jnp.where(size > 0, (hi + tk - 1) // tk, 0)
 
                 def mma(idxs, x_smem, dy_smem, acc_ref):
                     (s,) = idxs
-                    b = dy_smem.at[:, pl.ds(wg * tn, tn)]
+                    b = dy_smem.at[:, pl.ds(pl.multiple_of(wg * tn, tn), tn)]
+                    first = s * tk
 
-                    @pl.when((s == steps - 1) & (last_rows < tk))
+                    @pl.when((first < lo) | (first + tk > hi))
                     def _():
                         rows = plgpu.layout_cast(
                             lax.broadcasted_iota(jnp.int32, (tk, tn), 0), plgpu.Layout.WGMMA)
-                        keep = (rows < last_rows).astype(b.dtype)
+                        keep = ((rows >= lo - first).astype(b.dtype)
+                                * (rows < hi - first).astype(b.dtype))
                         b[...] = b[...] * keep
                         plgpu.commit_smem()
 
@@ -394,8 +401,8 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
                             o_ref.at[g, pl.ds(ki * tm, tm), pl.ds(ni * cta_n + wg * tn, tn)])
 
                 make_pipeline(mma, context, steps)(
-                    x_ref.at[pl.ds(start, m), pl.ds(ki * tm, tm)],
-                    dy_ref.at[pl.ds(start, m), pl.ds(ni * cta_n, cta_n)],
+                    x_ref.at[pl.ds(base, m), pl.ds(ki * tm, tm)],
+                    dy_ref.at[pl.ds(base, m), pl.ds(ni * cta_n, cta_n)],
                     allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
