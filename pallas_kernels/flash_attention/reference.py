@@ -6,7 +6,8 @@ G = N // K query heads per kv head, Dqk q/k head dim, Dv value head dim.
 Maths: softmax attention (Vaswani et al. 2017, eq. 1), o = softmax(scale * q k^T + mask) v,
 with the log-sum-exp lse = log(sum_s exp(scale * q k_s^T)) over the unmasked keys. Queries are
 processed in chunks of `chunk` rows under `jax.checkpoint`, so forward and backward hold one
-[chunk, S] score block at a time instead of [T, S].
+[chunk, S] score block at a time instead of [T, S] (when T <= chunk the single block runs
+directly, without the map and the backward recomputation: faster on CPU).
 """
 from __future__ import annotations
 
@@ -90,7 +91,6 @@ def attention_reference(q, k, v, *, causal=True, scale=None, segment_ids=None, q
     else:
         qs = jnp.zeros((nc, B, C), jnp.int32)
 
-    @jax.checkpoint
     def one_chunk(args):
         q_c, qpos_c, qs_c = args                                    # [B,C,K,G,D], [C], [B,C]
         s = jnp.einsum("bckgd,bskd->bkgcs", q_c.astype(jnp.float32), kf) * scale
@@ -109,7 +109,10 @@ def attention_reference(q, k, v, *, causal=True, scale=None, segment_ids=None, q
                         + m_safe[..., 0])                           # [B, K, G, C]
         return o, lse
 
-    o, lse = jax.lax.map(one_chunk, (qf, qpos, qs))                 # [nc,B,C,K,G,Dv], [nc,B,K,G,C]
+    if nc == 1:  # T <= chunk: one block, O(T * S) memory anyway; skip the map and recompute
+        o, lse = jax.tree.map(lambda x: x[None], one_chunk((qf[0], qpos[0], qs[0])))
+    else:
+        o, lse = jax.lax.map(jax.checkpoint(one_chunk), (qf, qpos, qs))  # [nc,B,C,K,G,Dv], [nc,B,K,G,C]
     o = jnp.moveaxis(o, 0, 1).reshape(B, Tp, N, Dv)[:, :T].astype(q.dtype)
     if not return_lse:
         return o

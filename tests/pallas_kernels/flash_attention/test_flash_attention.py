@@ -46,6 +46,7 @@ def _docs(B, L, n_docs, seed):
     (True, False, 0, 0, 4, 2, 64),
     (False, True, 0, 0, 2, 2, 48),
     (True, True, 7, 30, 4, 1, 100),      # offsets: the first rows see no key at all
+    (True, True, 0, 0, 4, 2, 512),       # T <= chunk: the single-block path (no map/remat)
 ])
 def test_reference_matches_naive(causal, seg, q_off, kv_off, N, K, chunk):
     B, T, S = 2, 150, 150
