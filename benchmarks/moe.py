@@ -8,6 +8,9 @@ Per shape (T tokens, top-K of E experts, hidden D, expert width I; M = T*K route
   fwd+bwd counts 3x the forward FLOPs (dx and dw GEMMs). "dense" is one XLA GEMM of the same
   FLOPs. Permute/unpermute GB/s count the fewest bytes: permute reads [T, D] and writes
   [M, D]; unpermute reads [M, D] and writes [T, D] (bf16).
+fwd+bwd programs return the forward output as well as the gradients: a Mosaic GPU custom call
+has no side effects, so XLA deletes one whose output is unused (runs on 2026-11-29 before this
+fix timed the backward alone).
 Routing: top-K of random normal scores (near-uniform expert load). Timing: wall clock
 around jitted calls after a warm-up, median of 5 batches of 5 calls, synchronised.
 """
@@ -170,9 +173,9 @@ def run_shape(name, s, rows, sweep, tok):
             "gemm", iname, "fwd", bench(jax.jit(f), xs, w_gu, gs), gemm_flops))
 
         def fb(f=f, iname=iname):
-            def step(a, b, g, d):
+            def step(a, b, g, d):  # return out too: XLA drops an unused kernel call
                 out, vjp = jax.vjp(lambda a, b: f(a, b, g), a, b)
-                return vjp(d)
+                return out, vjp(d)
             add("gemm", iname, "fwd+bwd", bench(jax.jit(step), xs, w_gu, gs, dy), 3 * gemm_flops)
         if iname != "lax.ragged_dot" or "--try-ragged-bwd" in sys.argv:
             attempt(f"gemm fwd+bwd {iname}", fb)
@@ -182,29 +185,22 @@ def run_shape(name, s, rows, sweep, tok):
                                       bench(jax.jit(jnp.dot), a_d, b_d), gemm_flops))
 
     # --- the expert layer: gate/up -> SwiGLU -> down
-    lay = {"ours": lambda a, g: api.grouped_matmul(
-        swiglu(api.grouped_matmul(a, w_gu, g, impl="pallas")), w_dn, g, impl="pallas")}
+    def ours_layer(a, wg, wd, g):
+        h = api.grouped_matmul(a, wg, g, impl="pallas")
+        return api.grouped_matmul(swiglu(h), wd, g, impl="pallas")
+    lay = {"ours": ours_layer}
     if tok is not None:
-        lay["tokamax mosaic"] = lambda a, g: tok(swiglu(tok(a, w_gu, g)), w_dn, g)
+        lay["tokamax mosaic"] = lambda a, wg, wd, g: tok(swiglu(tok(a, wg, g)), wd, g)
     dyl = jax.random.normal(jax.random.key(8), (M, D), jnp.bfloat16)
-    for iname, f in lay.items():
+    for iname, f in lay.items():  # weights are arguments, never captured constants
         attempt(f"layer fwd {iname}", lambda f=f, iname=iname: add(
-            "layer", iname, "fwd", bench(jax.jit(f), xs, gs), layer_flops))
+            "layer", iname, "fwd", bench(jax.jit(f), xs, w_gu, w_dn, gs), layer_flops))
 
         def lfb(f=f, iname=iname):
-            def step(a, g, d):
-                out, vjp = jax.vjp(lambda a: f(a, g), a)
-                return vjp(d)
-            # weights closed over are constants; differentiate them too
-            def step_w(a, wg, wd, g, d):
-                def fn(a, wg, wd):
-                    if iname == "ours":
-                        h = api.grouped_matmul(a, wg, g, impl="pallas")
-                        return api.grouped_matmul(swiglu(h), wd, g, impl="pallas")
-                    return tok(swiglu(tok(a, wg, g)), wd, g)
-                out, vjp = jax.vjp(fn, a, wg, wd)
-                return vjp(d)
-            add("layer", iname, "fwd+bwd", bench(jax.jit(step_w), xs, w_gu, w_dn, gs, dyl),
+            def step(a, wg, wd, g, d):
+                out, vjp = jax.vjp(lambda a, wg, wd: f(a, wg, wd, g), a, wg, wd)
+                return out, vjp(d)  # return out too: XLA drops an unused kernel call
+            add("layer", iname, "fwd+bwd", bench(jax.jit(step), xs, w_gu, w_dn, gs, dyl),
                 3 * layer_flops)
         attempt(f"layer fwd+bwd {iname}", lfb)
 
@@ -227,7 +223,7 @@ def run_shape(name, s, rows, sweep, tok):
 
     def unp_fb(y, pr, w, d):
         out, vjp = jax.vjp(lambda y, w: api.unpermute(y, pr, w), y, w)
-        return vjp(d)
+        return out, vjp(d)
     attempt("unpermute fwd+bwd", lambda: add("unpermute", "XLA", "fwd+bwd", bench(jax.jit(unp_fb), ys, perm, p, x),
                                              nbytes=3 * pb, note="bytes: 3x fwd"))
     del x, ids, p, w_gu, w_dn, xs, dy, a_d, b_d, dyl
