@@ -157,7 +157,8 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
     if ignored_mtp:
         log.info("hf: ignored %d MTP tensors (model.layers.%d+) since model.num_nextn_predict_layers=%d",
                  len(ignored_mtp), L + K, K)
-    missing = [e.hf for e in table if e.hf not in done]
+    bad = {m.split(" ")[0] for m in misshaped}
+    missing = [e.hf for e in table if e.hf not in done and e.hf not in bad]
     mtp_missing = [h for h in missing if (m := _LAYER.match(h)) and int(m.group(1)) >= L]
     if K and len(mtp_missing) == sum(1 for e in table if (m := _LAYER.match(e.hf)) and int(m.group(1)) >= L):
         log.warning("hf: %s has no MTP tensors (model.layers.%d.*); the %d MTP layer(s) keep their "

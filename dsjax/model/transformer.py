@@ -69,6 +69,9 @@ class DeepSeekModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, rngs=rngs)
+        from dsjax.model.mtp import MTP  # DeepSeek-V3 multi-token prediction; imports DecoderLayer
+
+        self.mtp = MTP(cfg, rngs=rngs) if cfg.num_nextn_predict_layers > 0 else None
         inv_freq, attn_factor = inv_freq_and_attention_factor(cfg)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static constants (float32-exact), not state
         self.attn_factor = attn_factor
@@ -108,14 +111,34 @@ class DeepSeekModel(nnx.Module):
         return self.norm(h), aux
 
     def logits(self, h):
-        """h [B, T, D] -> logits [B, T, V] in the compute dtype (HF does not upcast)."""
+        """h [B, T, D] -> logits [B, T, V] float32: the lm_head matmul takes compute-dtype inputs
+        but writes fp32, so the cross-entropy never sees bf16-rounded logits (case 8; HF keeps
+        them in the model dtype)."""
         if self.lm_head is None:
-            return jnp.dot(h, self.embed_tokens[...].astype(h.dtype).T)
-        return self.lm_head(h)
+            w = self.embed_tokens[...].astype(h.dtype).T
+        else:
+            w = self.lm_head.kernel[...].astype(h.dtype)
+        return jnp.dot(h, w, preferred_element_type=jnp.float32)
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         h, aux = self.hidden_states(tokens, positions, segment_ids)
         return self.logits(h), aux
+
+    def mtp_logits(self, h, tokens, positions=None, segment_ids=None):
+        """MTP logits from the final normed hidden h [B, T, D] and the inputs tokens [B, T].
+
+        Returns (list of K logits [B, T, V], depth k at position i predicting token i + k + 2;
+        list of K MoE stats dicts). See dsjax/model/mtp.py for the maths and `mtp_targets` for
+        the matching targets and mask.
+        """
+        B, T = tokens.shape
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+        if segment_ids is None:
+            segment_ids = jnp.ones((B, T), jnp.int32)
+        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attn_factor)
+        hs, stats = self.mtp(h, tokens, self.embed, cos, sin, segment_ids, self.scale)
+        return [self.logits(x) for x in hs], stats
 
     # -- generation with the MLA latent cache --------------------------------------------------
     def init_cache(self, batch: int, max_len: int):

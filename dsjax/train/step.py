@@ -10,7 +10,11 @@ The train state is a pytree of plain dicts:
 A batch holds `inputs, targets, loss_mask, segment_ids, positions`, each [A, B, T] where A is
 train.grad_accum (micro-batches scanned). The loss is the fp32 cross-entropy summed over real
 target tokens of all micro-batches divided by their count (../shared/cases case 8), plus the
-MoE sequence-wise balance loss (weight model.aux_loss_alpha) averaged over micro-batches.
+MoE sequence-wise balance loss (weight model.aux_loss_alpha) averaged over micro-batches, plus,
+with model.num_nextn_predict_layers = K > 0, the MTP loss (DeepSeek-V3 eq. 25):
+model.mtp_loss_weight / K * sum_k (fp32 CE of depth k summed over its valid targets / their count);
+depth k predicts the token k + 2 ahead, masked at document boundaries, padding and row ends
+(`dsjax.model.mtp.mtp_targets`).
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from flax import nnx
 
 from dsjax.config import Config
 from dsjax.model import DeepSeekModel
+from dsjax.model.mtp import mtp_targets
 from dsjax.model.moe import update_router_bias
 
 GROWTH_INTERVAL = 2000  # finite fp16 steps before the loss scale doubles
@@ -83,14 +88,28 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     n_accum = cfg.train.grad_accum
     has_moe = mcfg.num_moe_layers > 0
     noaux = has_moe and mcfg.topk_method == "noaux_tc"
+    n_mtp = mcfg.num_nextn_predict_layers
+    mtp_noaux = n_mtp > 0 and mcfg.topk_method == "noaux_tc"
 
-    def micro_loss(params, rest, mb, n_total, scale):
+    def micro_loss(params, rest, mb, n_total, scale, n_mtp_total):
         model = fns.merge(params, rest)
-        logits, aux = model(mb["inputs"], mb["positions"], mb["segment_ids"])
+        h, aux = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
+        logits = model.logits(h)
         nll_sum, _ = cross_entropy(logits, mb["targets"], mb["loss_mask"])
         obj = nll_sum / n_total
         if has_moe and mcfg.aux_loss_alpha > 0:
             obj = obj + mcfg.aux_loss_alpha * jnp.sum(aux["seq_aux"]) / n_accum
+        if n_mtp:
+            mtp_logits, mtp_stats = model.mtp_logits(h, mb["inputs"], mb["positions"], mb["segment_ids"])
+            sums = []
+            for k, lg in enumerate(mtp_logits):
+                tgt, mask = mtp_targets(mb["targets"], mb["loss_mask"], k)
+                sums.append(cross_entropy(lg, tgt, mask)[0])
+            sums = jnp.stack(sums)
+            obj = obj + mcfg.mtp_loss_weight / n_mtp * jnp.sum(sums / n_mtp_total)
+            aux = dict(aux, mtp_nll=sums)
+            if mtp_noaux:
+                aux["mtp_expert_counts"] = jnp.stack([st["expert_counts"] for st in mtp_stats])
         return obj * scale, (nll_sum, aux)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
@@ -99,10 +118,14 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         params, rest = state["params"], state["rest"]
         scale = state["loss_scale"] if fp16 else jnp.asarray(1.0, jnp.float32)
         n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
+        flat = lambda x: x.reshape(-1, x.shape[-1])  # [A, B, T] -> [A*B, T]
+        n_mtp_total = jnp.stack([jnp.maximum(jnp.sum(mtp_targets(
+            flat(batch["targets"]), flat(batch["loss_mask"]), k)[1]), 1.0) for k in range(n_mtp)]
+        ) if n_mtp else jnp.ones((0,), jnp.float32)
 
         def body(carry, mb):
             g_acc, nll_acc, aux_acc = carry
-            (_, (nll_sum, aux)), g = grad_fn(params, rest, mb, n_total, scale)
+            (_, (nll_sum, aux)), g = grad_fn(params, rest, mb, n_total, scale, n_mtp_total)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             aux_acc = jax.tree.map(lambda a, b: a + b, aux_acc, aux)
             return (g_acc, nll_acc + nll_sum, aux_acc), None
@@ -113,6 +136,10 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             L, E = mcfg.num_moe_layers, mcfg.n_routed_experts
             aux0 = {"expert_counts": jnp.zeros((L, E)), "router_entropy": jnp.zeros((L,)),
                     "seq_aux": jnp.zeros((L,))}
+        if n_mtp:
+            aux0["mtp_nll"] = jnp.zeros((n_mtp,))
+            if mtp_noaux:
+                aux0["mtp_expert_counts"] = jnp.zeros((n_mtp, mcfg.n_routed_experts))
         (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
         grads = jax.tree.map(lambda g: g / scale, grads)
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
@@ -131,6 +158,12 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             new_rest = jax.tree.map(lambda x: x, rest)
             new_rest["moe_layers"]["mlp"]["e_score_correction_bias"] = jnp.where(finite, new_bias, bias)
             new_state["rest"] = new_rest
+        if mtp_noaux:  # the MTP blocks' routers are balanced the same way
+            new_rest = new_state["rest"] = jax.tree.map(lambda x: x, new_state["rest"])
+            mlp = new_rest["mtp"]["layers"]["block"]["mlp"]
+            bias = mlp["e_score_correction_bias"]
+            new_bias = update_router_bias(bias, aux["mtp_expert_counts"], mcfg.router_bias_update_rate)
+            mlp["e_score_correction_bias"] = jnp.where(finite, new_bias, bias)
         new_state["skipped"] = state["skipped"] + (~finite).astype(jnp.int32)
         new_state["nonfinite_step"] = jnp.where(
             (state["nonfinite_step"] < 0) & ~finite, state["step"], state["nonfinite_step"])
@@ -153,6 +186,8 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             metrics["expert_load_max_over_mean"] = jnp.max(counts, -1) / jnp.maximum(jnp.mean(counts, -1), 1e-9)
             metrics["router_entropy"] = aux["router_entropy"] / n_accum
             metrics["seq_aux"] = aux["seq_aux"] / n_accum
+        if n_mtp:
+            metrics["mtp_loss"] = aux["mtp_nll"] / n_mtp_total  # [K] per-depth mean CE
         return new_state, metrics
 
     return train_step
