@@ -11,7 +11,6 @@ HF/torch reference. (Element-wise ratios are dominated by entries near zero.)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import re
 import tempfile
@@ -25,6 +24,7 @@ import numpy as np
 SEQ = 64  # >= 64 so a wrong softmax scale / RoPE shows (invisible at position 0)
 BATCH = 2
 BF16_BATCH = 8  # 512 tokens: top-1 agreement resolved to 0.2%
+TORCH_DEVICE = "cpu"  # where the HF reference runs (main() may pick cuda)
 
 _COMMON = dict(vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32,
@@ -145,9 +145,11 @@ def load_eager(path, dtype="float32"):
     import transformers
 
     kw = dict(dtype=getattr(torch, dtype), attn_implementation="eager")
-    with contextlib.suppress(TypeError, ValueError):
-        return transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kw).eval()
-    return transformers.AutoModelForCausalLM.from_pretrained(path, **kw).eval()
+    try:
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kw)
+    except (TypeError, ValueError):
+        m = transformers.AutoModelForCausalLM.from_pretrained(path, **kw)
+    return m.to(TORCH_DEVICE).eval()
 
 
 def hf_mtp_model(model, seed: int):
@@ -234,7 +236,7 @@ def hf_grads_on_disk(model) -> dict:
     for name, p in model.named_parameters():
         if p.grad is None:
             continue
-        g = p.grad.detach().float().numpy()
+        g = p.grad.detach().float().cpu().numpy()
         if name.endswith("mlp.experts.gate_up_proj"):
             pre, F = name[:-len("gate_up_proj")], g.shape[1] // 2
             for j in range(g.shape[0]):
@@ -250,7 +252,7 @@ def hf_grads_on_disk(model) -> dict:
 
 
 def check(name: str, workdir: Path, *, seed: int = 0, decode_tokens: int = 32, grads: bool = True,
-          bf16: bool = True, verbose: bool = False) -> dict:
+          bf16: bool = True, verbose: bool = False, impl: str = "reference") -> dict:
     """Run every parity measure for tiny config `name`; returns a dict of numbers."""
     import torch
 
@@ -268,28 +270,33 @@ def check(name: str, workdir: Path, *, seed: int = 0, decode_tokens: int = 32, g
     hf = load_eager(path)  # as a user would; fused experts in memory, eager kernels
     if mtp is not None:
         mtp.tie_with_main_model(hf)
-    cfg, fns, params, rest = load_hf(path)
+    from dsjax.config import ModelConfig
+
+    base = ModelConfig(attention_impl=impl, moe_impl=impl)
+    cfg, fns, params, rest = load_hf(path, base)
     model = fns.merge(params, rest)
     rng = np.random.default_rng(seed)
     tokens = rng.integers(2, cfg.vocab_size, (BATCH, SEQ)).astype(np.int32)
-    tt = torch.tensor(tokens, dtype=torch.long)
+    tt = torch.tensor(tokens, dtype=torch.long, device=TORCH_DEVICE)
+    if mtp is not None:
+        mtp.to(TORCH_DEVICE)
 
     # fp32 logits and per-layer hidden states
     with torch.no_grad():
         out = hf(tt, output_hidden_states=True)
-    ref_logits = out.logits.float().numpy()
+    ref_logits = out.logits.float().cpu().numpy()
     logits = np.asarray(jax.jit(lambda t: model(t)[0])(tokens))
     res["logits_rel"] = rel(logits, ref_logits)
     ours_h = layer_outputs(model, jnp.asarray(tokens))
-    res["hidden_rel"] = [rel(a, b.float().numpy()) for a, b in zip(ours_h, out.hidden_states)]
+    res["hidden_rel"] = [rel(a, b.float().cpu().numpy()) for a, b in zip(ours_h, out.hidden_states)]
 
     # MTP logits
     if mtp is not None and cfg.num_nextn_predict_layers:
         h_final = out.hidden_states[-1]
         with torch.no_grad():
-            pos = torch.arange(1, SEQ).expand(BATCH, -1)
+            pos = torch.arange(1, SEQ, device=TORCH_DEVICE).expand(BATCH, -1)
             hm = mtp.forward_layer(0, h_final[:, :-1], pos, None, input_ids=tt[:, 1:])
-            ref_mtp = mtp._project_to_logits(hm).float().numpy()
+            ref_mtp = mtp._project_to_logits(hm).float().cpu().numpy()
         ours_mtp = np.asarray(jax.jit(
             lambda t: model.mtp_logits(model.hidden_states(t)[0], t)[0][0])(tokens))[:, :-1]
         res["mtp_logits_rel"] = rel(ours_mtp, ref_mtp)
@@ -322,9 +329,9 @@ def check(name: str, workdir: Path, *, seed: int = 0, decode_tokens: int = 32, g
     if decode_tokens:
         prompt = tokens[:, :16]
         with torch.no_grad():
-            ref_ids = hf.generate(torch.tensor(prompt, dtype=torch.long), max_new_tokens=decode_tokens,
-                                  min_new_tokens=decode_tokens, do_sample=False, eos_token_id=None,
-                                  pad_token_id=0).numpy()
+            ref_ids = hf.generate(torch.tensor(prompt, dtype=torch.long, device=TORCH_DEVICE),
+                                  max_new_tokens=decode_tokens, min_new_tokens=decode_tokens,
+                                  do_sample=False, eos_token_id=None, pad_token_id=0).cpu().numpy()
         ids, _ = G.generate(model, prompt, decode_tokens, use_cache=True)
         res["decode_equal"] = bool(np.array_equal(ids, ref_ids))
         res["decode_first_diff"] = int(np.argmax(np.any(ids != ref_ids, axis=0))) if not res["decode_equal"] else -1
@@ -334,9 +341,9 @@ def check(name: str, workdir: Path, *, seed: int = 0, decode_tokens: int = 32, g
         hf16 = load_eager(path, "bfloat16")
         tokens = rng.integers(2, cfg.vocab_size, (BF16_BATCH, SEQ)).astype(np.int32)
         with torch.no_grad():
-            l16 = hf16(torch.tensor(tokens, dtype=torch.long)).logits.float()
+            l16 = hf16(torch.tensor(tokens, dtype=torch.long, device=TORCH_DEVICE)).logits.float().cpu()
         p_ref = torch.log_softmax(l16, -1).numpy().astype(np.float64)
-        cfg16, fns16, p16, r16 = load_hf(path, dtype="bfloat16")
+        cfg16, fns16, p16, r16 = load_hf(path, base, dtype="bfloat16")
         m16 = fns16.merge(p16, r16)
         ours16 = np.asarray(jax.jit(lambda t: m16(t)[0].astype(jnp.float32))(tokens), np.float64)
         lq = ours16 - np.log(np.sum(np.exp(ours16 - ours16.max(-1, keepdims=True)), -1,
@@ -356,20 +363,28 @@ def main() -> None:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(TINY))
     p.add_argument("--json", default=None, help="write the results here")
+    p.add_argument("--impl", default="reference", help="dsjax attention_impl/moe_impl (auto|pallas|reference)")
+    p.add_argument("--torch-device", default="cpu", help="where the HF reference runs (cpu|cuda)")
     args = p.parse_args()
     import torch
     import transformers
 
+    global TORCH_DEVICE
+    TORCH_DEVICE = args.torch_device
+
     torch.set_num_threads(max(1, torch.get_num_threads()))
     env = {"jax": jax.__version__, "jax_backend": jax.default_backend(),
            "jax_device": str(jax.devices()[0].device_kind), "torch": torch.__version__,
-           "transformers": transformers.__version__}
+           "transformers": transformers.__version__, "impl": args.impl, "torch_device": TORCH_DEVICE}
     print(json.dumps(env))
     results = []
     with tempfile.TemporaryDirectory() as d:
         for name in args.configs.split(","):
             t0 = time.time()
-            r = check(name, Path(d))
+            try:
+                r = check(name, Path(d), impl=args.impl)
+            except Exception as e:  # report and go on with the other configs
+                r = {"config": name, "error": f"{type(e).__name__}: {str(e)[:400]}"}
             r["seconds"] = round(time.time() - t0, 1)
             print(json.dumps(r))
             results.append(r)
