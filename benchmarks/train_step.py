@@ -1,0 +1,143 @@
+"""Training-step throughput at DeepSeek-V2-Lite geometry, dsjax vs HF transformers, one table.
+
+    python benchmarks/train_step.py [--layers 4] [--batch 4] [--seq 2048] [--steps 10] [--peers hf]
+
+Model: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank 512, nope/rope/v 128/64/128,
+64 routed experts top-6, 2 shared, moe_intermediate 1408, intermediate 10944,
+first_k_dense_replace 1; bf16 compute, fp32 master weights, AdamW. dsjax runs on every local
+device (global batch = batch x devices); the HF peer (transformers DeepseekV2ForCausalLM, bf16
+autocast over fp32 weights, AdamW) runs in a subprocess on one GPU, eager and torch.compile.
+Prints tokens/s per device and MFU (6 x active params + attention FLOPs per token).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+
+V2_LITE = ["model.vocab_size=102400", "model.hidden_size=2048", "model.num_attention_heads=16",
+           "model.q_lora_rank=null", "model.kv_lora_rank=512", "model.qk_nope_head_dim=128",
+           "model.qk_rope_head_dim=64", "model.v_head_dim=128", "model.n_routed_experts=64",
+           "model.num_experts_per_tok=6", "model.n_shared_experts=2", "model.moe_intermediate_size=1408",
+           "model.intermediate_size=10944", "model.first_k_dense_replace=1", "model.topk_method=greedy",
+           "model.scoring_func=softmax", "model.norm_topk_prob=false", "model.n_group=1",
+           "model.topk_group=1", "model.routed_scaling_factor=1.0", "model.dtype=bfloat16",
+           "model.max_position_embeddings=163840",
+           "model.rope_scaling={factor: 40, original_max_position_embeddings: 4096, mscale: 0.707, mscale_all_dim: 0.707}"]
+
+
+def run_dsjax(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import dsjax  # noqa: F401
+    from dsjax import config as C
+    from dsjax.train.metrics import flops_per_token
+    from dsjax.train.optim import build_optimizer
+    from dsjax.train.step import init_model, init_state, make_train_step
+
+    n_dev = jax.local_device_count()
+    sets = V2_LITE + [f"model.num_hidden_layers={args.layers}", f"data.seq_len={args.seq}",
+                      f"data.batch_size={args.batch * n_dev}", f"model.remat={args.remat}",
+                      f"model.attention_impl={args.attention_impl}", f"model.moe_impl={args.moe_impl}"]
+    cfg = C.load(None, sets)
+    fns, params, rest = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 1000)
+    state = init_state(params, rest, tx)
+    step = jax.jit(make_train_step(cfg, fns, tx, sched), donate_argnums=0)
+    B, T = cfg.data.batch_size, args.seq
+    rng = np.random.default_rng(0)
+    toks = rng.integers(0, cfg.model.vocab_size, size=(1, B, T + 1)).astype(np.int32)
+    batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:]),
+             "loss_mask": jnp.ones((1, B, T), jnp.float32), "segment_ids": jnp.ones((1, B, T), jnp.int32),
+             "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, B, T))}
+    t0 = time.perf_counter()
+    state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    compile_s = time.perf_counter() - t0
+    state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        state, m = step(state, batch)
+    jax.block_until_ready(m["loss"])
+    dt = (time.perf_counter() - t0) / args.steps
+    tps = B * T / dt
+    ftok = flops_per_token(cfg.model, T)
+    return {"impl": f"dsjax attn={args.attention_impl} moe={args.moe_impl} remat={args.remat}",
+            "devices": n_dev, "step_ms": dt * 1e3, "tokens_per_s_per_device": tps / n_dev,
+            "tflops_per_device": tps * ftok / n_dev / 1e12, "compile_s": compile_s,
+            "loss": float(m["loss"]), "device": jax.devices()[0].device_kind}
+
+
+HF_SCRIPT = r"""
+import json, sys, time, torch
+from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+L, B, T, steps, compile_ = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=L, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=163840,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+model = DeepseekV2ForCausalLM(cfg).cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+x = torch.randint(0, 102400, (B, T + 1), device="cuda")
+def step():
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        loss = model(input_ids=x[:, :-1], labels=x[:, 1:]).loss
+    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    return loss
+if compile_:
+    step = torch.compile(step)
+for _ in range(3): step()
+torch.cuda.synchronize(); t0 = time.perf_counter()
+for _ in range(steps): l = step()
+torch.cuda.synchronize(); dt = (time.perf_counter() - t0) / steps
+print(json.dumps({"impl": "HF transformers " + ("torch.compile" if compile_ else "eager"), "devices": 1,
+                  "step_ms": dt * 1e3, "tokens_per_s_per_device": B * T / dt, "loss": float(l)}))
+"""
+
+
+def run_hf(args, compile_: bool) -> dict:
+    r = subprocess.run([sys.executable, "-c", HF_SCRIPT, str(args.layers), str(args.batch), str(args.seq),
+                        str(args.steps), "1" if compile_ else "0"], capture_output=True, text=True, timeout=900)
+    if r.returncode != 0:
+        return {"impl": f"HF transformers {'torch.compile' if compile_ else 'eager'}", "error": r.stderr[-300:]}
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=4, help="rows per device")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--remat", default="none")
+    p.add_argument("--attention-impl", default="auto")
+    p.add_argument("--moe-impl", default="auto")
+    p.add_argument("--peers", default="", help="comma list: hf, hf_compile")
+    args = p.parse_args()
+    rows = []
+    for peer in [x for x in args.peers.split(",") if x]:  # peers first: JAX preallocates GPU memory
+        rows.append(run_hf(args, compile_=peer == "hf_compile"))
+    try:
+        rows.insert(0, run_dsjax(args))
+    except Exception as e:  # report, keep the peers' rows
+        rows.insert(0, {"impl": "dsjax", "error": f"{type(e).__name__}: {str(e)[:300]}"})
+    print(f"\nV2-Lite geometry, {args.layers} layers, batch {args.batch} x {args.seq} per device, bf16")
+    print(f"{'impl':<48} {'dev':>4} {'step ms':>9} {'tok/s/dev':>11} {'TFLOP/s/dev':>12}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['impl']:<48} ERROR {r['error']}")
+            continue
+        tf = f"{r['tflops_per_device']:.0f}" if "tflops_per_device" in r else "-"
+        print(f"{r['impl']:<48} {r['devices']:>4} {r['step_ms']:>9.1f} {r['tokens_per_s_per_device']:>11,.0f} {tf:>12}")
+    print(json.dumps(rows))
+
+
+if __name__ == "__main__":
+    main()
