@@ -39,7 +39,7 @@ def test_shapes_and_dtypes(dtype, q_lora):
     m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
     logits, aux = m(toks)
-    assert logits.shape == (2, 10, cfg.vocab_size) and logits.dtype == jnp.dtype(dtype)
+    assert logits.shape == (2, 10, cfg.vocab_size) and logits.dtype == jnp.float32
     assert aux["expert_counts"].shape == (2, 8) and aux["expert_counts"].dtype == jnp.float32
     # every real token is routed to K experts in each MoE layer
     np.testing.assert_allclose(np.asarray(aux["expert_counts"]).sum(-1), 2 * 10 * 2)
@@ -215,3 +215,22 @@ def test_latent_cache_decode_matches_full_forward(q_lora):
         lt, cache = m.decode(toks[:, t:t + 1], cache, t)
         outs.append(lt)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
+
+
+def test_case8_bf16_loss_is_not_quantised():
+    """Case 8: under bf16 compute the logits reach the fp32 cross-entropy unrounded."""
+    from dsjax.train.step import cross_entropy
+
+    cfg32 = small_cfg(vocab_size=4096, dtype="float32")
+    m32 = DeepSeekModel(cfg32, rngs=nnx.Rngs(0))
+    m16 = DeepSeekModel(dataclasses.replace(cfg32, dtype="bfloat16"), rngs=nnx.Rngs(0))
+    toks = jax.random.randint(jax.random.key(1), (2, 16), 0, 4096)
+    h = m16.hidden_states(toks)[0]
+    lg = m16.logits(h)
+    assert lg.dtype == jnp.float32
+    # fp32 logits carry information below bf16 resolution
+    assert np.any(np.asarray(lg) != np.asarray(lg.astype(jnp.bfloat16).astype(jnp.float32)))
+    mask = jnp.ones((2, 16))
+    l16 = cross_entropy(m16(toks)[0], toks, mask)[0] / 32
+    l32 = cross_entropy(m32(toks)[0], toks, mask)[0] / 32
+    assert abs(float(l16) - float(l32)) < 2e-3 * float(l32)
