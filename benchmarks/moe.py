@@ -1,6 +1,6 @@
 """MoE expert-layer benchmark (GPU): ours vs jax.lax.ragged_dot, tokamax mosaic, dense GEMM.
 
-Usage: python benchmarks/moe.py [--shapes v2lite,v3] [--sweep] [--json PATH]
+Usage: python benchmarks/moe.py [--shapes v2lite,v3] [--sweep] [--json PATH] [--permute-only]
 
 Per shape (T tokens, top-K of E experts, hidden D, expert width I; M = T*K routed rows):
   gemm  : the gate/up grouped GEMM alone, [M, D] x [E, D, 2I]            (2*M*D*2I FLOPs fwd)
@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.moe import api, mosaic_gpu
+from pallas_kernels.moe import api, dispatch, mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul_reference, grouped_matmul_transposed_reference
 
 SHAPES = {"v2lite": dict(T=16384, K=6, E=64, D=2048, I=1408),
@@ -229,6 +229,82 @@ def run_shape(name, s, rows, sweep, tok):
     del x, ids, p, w_gu, w_dn, xs, dy, a_d, b_d, dyl
 
 
+def run_permute(name, s, rows):
+    """permute: exactness of impl="pallas" vs "reference" (values, perm, group sizes, dx) and
+    GB/s of each piece. Bytes: forward reads [T, D] + writes [M, D]; backward reads [M, D] +
+    writes [T, D] (bf16); the sorts alone are reported in ms."""
+    T, K, E, D = (s[k] for k in "TKED")
+    M = T * K
+    x, ids, _, _, _ = make_inputs(dict(s, I=128), jax.random.key(0))
+    g = jax.random.normal(jax.random.key(9), (M, D), jnp.bfloat16)
+    pb = (T * D + M * D) * 2
+
+    def add(op, impl, pas, sec, nbytes=None, note=""):
+        r = dict(shape=name, op=op, impl=impl, pass_=pas, ms=sec * 1e3, note=note)
+        if nbytes:
+            r["gbps"] = nbytes / sec / 1e9
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    def both(impl):
+        def f(x, i, g):
+            def fwd(x):
+                xs, gs, perm = api.permute(x, i, num_experts=E, impl=impl)
+                return xs, (gs, perm)
+            xs, vjp, (gs, perm) = jax.vjp(fwd, x, has_aux=True)
+            return xs, gs, perm, vjp(g)[0]
+        return jax.jit(f)
+
+    def check():
+        outs = {impl: jax.block_until_ready(both(impl)(x, ids, g)) for impl in ("pallas",
+                                                                               "reference")}
+        same = [bool(jnp.array_equal(a, b)) for a, b in zip(outs["pallas"], outs["reference"])]
+        rag = 1000  # ragged T: 1000 tokens, last CTA block shifted
+        o1 = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))(x[:rag], ids[:rag])
+        o2 = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(x[:rag], ids[:rag])
+        same_rag = all(bool(jnp.array_equal(a, b)) for a, b in zip(o1, o2))
+        note = (f"pallas == reference bitwise: x_sorted {same[0]}, group_sizes {same[1]}, perm "
+                f"{same[2]}, dx {same[3]}; ragged T={rag}: {same_rag}")
+        print(f"[{name}] permute check: {note}", flush=True)
+        rows.append(dict(shape=name, op="permute check", impl="pallas", pass_="-", ms=0.0,
+                         note=note))
+    try:
+        check()
+    except Exception as err:  # noqa: BLE001
+        print(f"[{name}] permute check FAILED: {repr(err)[:400]}", flush=True)
+        rows.append(dict(shape=name, op="permute check", impl="-", pass_="-", ms=float("nan"),
+                         note="FAILED " + repr(err)[:120]))
+
+    _, perm, dest = jax.jit(lambda i: dispatch.counting_sort_by_expert(i, E))(ids)
+    cases = [
+        ("permute", "pallas: counting sort + row-scatter kernel", "fwd", pb,
+         lambda x, i: api.permute(x, i, num_experts=E, impl="pallas")[0], (x, ids)),
+        ("permute", "reference: argsort + XLA gather", "fwd", pb,
+         lambda x, i: api.permute(x, i, num_experts=E, impl="reference")[0], (x, ids)),
+        ("permute rows (dest given)", "row-scatter kernel", "fwd", pb,
+         dispatch.scatter_rows, (x, dest)),
+        ("permute rows (perm given)", "XLA gather", "fwd", pb,
+         lambda x, pr: jnp.take(x, pr // K, axis=0), (x, perm)),
+        ("routing sort", "counting sort", "fwd", None,
+         lambda i: dispatch.counting_sort_by_expert(i, E)[1:], (ids,)),
+        ("routing sort", "stable argsort + bincount", "fwd", None,
+         lambda i: api.sort_by_expert(i, E), (ids,)),
+        ("permute bwd (dest given)", "XLA K-row gather + fp32 sum", "bwd", pb,
+         dispatch.gather_back, (g, dest)),
+        ("permute bwd (perm given)", "reference: inverse perm + gather + sum", "bwd", pb,
+         lambda g, pr: api._gather_rows_bwd(K, pr, g)[0], (g, perm)),
+        ("permute", "pallas", "fwd+bwd", 2 * pb,
+         lambda x, i, g: both("pallas")(x, i, g), (x, ids, g)),
+        ("permute", "reference", "fwd+bwd", 2 * pb,
+         lambda x, i, g: both("reference")(x, i, g), (x, ids, g)),
+    ]
+    for op, impl, pas, nbytes, f, args in cases:
+        try:
+            add(op, impl, pas, bench(jax.jit(f), *args), nbytes)
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] {op} {impl} FAILED: {repr(err)[:300]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="v2lite,v3")
@@ -237,6 +313,7 @@ def main():
     ap.add_argument("--try-ragged-bwd", action="store_true")
     ap.add_argument("--quick", action="store_true", help="one timed call (smoke test)")
     ap.add_argument("--only-ours", action="store_true", help="skip the peers and permute")
+    ap.add_argument("--permute-only", action="store_true", help="only the permute section")
     args = ap.parse_args()
     if args.quick:
         global REPS
@@ -244,10 +321,13 @@ def main():
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     global ONLY_OURS
     ONLY_OURS = args.only_ours
-    tok = None if args.only_ours else tokamax_ragged_dot()
+    tok = None if (args.only_ours or args.permute_only) else tokamax_ragged_dot()
     rows = []
     for name in args.shapes.split(","):
         try:
+            if args.permute_only:
+                run_permute(name, SHAPES[name], rows)
+                continue
             run_shape(name, SHAPES[name], rows, args.sweep and name == "v2lite", tok)
         except Exception:  # noqa: BLE001
             traceback.print_exc()
@@ -258,7 +338,7 @@ def main():
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         tf = f"{r['tflops']:.0f}" if "tflops" in r else ""
-        gb = f"{r['gbps']:.0f}" if "gbps" in r else ""
+        gb = f"{r['gbps']:.0f}" if "gbps" in r else ""  # noqa: E501
         print(f"| {r['shape']} | {r['op']} | {r['impl']} | {r['pass_']} | {r['ms']:.3f} | {tf} | {gb} | {r['note']} |")
 
 

@@ -8,8 +8,11 @@ Backends (`impl`):
                without a Hopper GPU they run in GPU interpret mode (slow; for tests). Raises
                ValueError for shapes/dtypes the kernels cannot take.
   "auto":      "pallas" on a Hopper GPU when the shapes fit the kernels, else "reference".
-permute / unpermute are row gathers and a weighted row sum, done with XLA (jnp) in every
-backend; their gradients are the inverse gather (no scatter-add).
+permute: "reference" is a stable argsort + XLA row gather; "pallas" (and "auto" on Hopper) is
+a stable counting sort (dispatch.py, same perm) + a Mosaic GPU row-scatter kernel that reads
+each token row once and writes its K copies. Its gradient is a K-row gather + fp32 sum per
+token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend; gradients
+are inverse gathers (no scatter-add).
 
 Gradients (standard matmul calculus): for y = x @ w[g], dx = dy @ w[g]^T (a grouped GEMM with
 transposed weights) and dw[g] = x[rows g]^T @ dy[rows g] (a grouped GEMM whose contraction is
@@ -23,7 +26,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import mosaic_gpu
+from pallas_kernels.moe import dispatch, mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference,
                                           inverse_permutation, sort_by_expert)
@@ -86,6 +89,33 @@ def _gather_rows_bwd(k, perm, g):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
+@jax.custom_vjp
+def _scatter_rows(x, dest):
+    return dispatch.scatter_rows(x, dest)
+
+
+def _scatter_rows_fwd(x, dest):
+    return _scatter_rows(x, dest), dest
+
+
+def _scatter_rows_bwd(dest, g):
+    return dispatch.gather_back(g, dest), None
+
+
+_scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
+
+
+def _permute_backend(impl, x, k):
+    if impl == "reference":
+        return "reference"
+    reason = dispatch.scatter_rows_fits(x, k)
+    if impl == "pallas":
+        if reason:
+            raise ValueError(f"impl='pallas': {reason}")
+        return "pallas"
+    return "pallas" if (reason is None and mosaic_gpu.on_hopper()) else "reference"
+
+
 def permute(x, topk_ids, *, num_experts, impl="auto"):
     """Sort token copies by expert (dropless).
 
@@ -96,9 +126,14 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
       x_sorted [T*K, D] (x.dtype; rows grouped by expert, stable within an expert),
       group_sizes [E] int32, perm [T*K] int32 (sorted row i is routed slot perm[i] = t*K + k).
       Differentiable in x: dx[t] = sum_k dx_sorted[slot(t, k)] (fp32 sum).
+      "pallas"/"auto" on Hopper: counting sort + Mosaic GPU row scatter (bit-identical to
+      "reference"); "pallas" raises ValueError when a row is not a multiple of 128 bytes.
     """
     _check(impl)
     t, k = topk_ids.shape
+    if _permute_backend(impl, x, k) == "pallas":
+        group_sizes, perm, dest = dispatch.counting_sort_by_expert(topk_ids, num_experts)
+        return _scatter_rows(x, dest), group_sizes, perm
     group_sizes, perm = sort_by_expert(topk_ids, num_experts)
     return _gather_rows(x, perm, k), group_sizes, perm
 
