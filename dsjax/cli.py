@@ -20,7 +20,17 @@ def load_config(args) -> C.Config:
 
 def run_main(prog: str, fn) -> None:
     """Run fn(); turn user errors into one line on stderr and exit status 2."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.getLogger("dsjax").setLevel(logging.INFO)
+    # orbax logs every checkpoint step through absl at INFO, and jax warns about absent TPU
+    # backends on CPU machines: keep the console to our progress bar and messages.
+    try:
+        from absl import logging as absl_logging
+
+        absl_logging.set_verbosity(absl_logging.WARNING)
+    except ImportError:  # pragma: no cover
+        pass
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
     try:
         fn()
     except (C.ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
