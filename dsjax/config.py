@@ -101,7 +101,12 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class MeshConfig:
-    """Device mesh axis sizes (-1 fills the rest) and the logical-axis rules preset."""
+    """Device mesh axis sizes (-1 fills the rest) and the logical-axis rules preset.
+
+    Presets (`sharding.rules.PRESETS`): dp (batch over data, params replicated), fsdp (ZeRO-3:
+    params/grads/moments over fsdp), tp (+ heads/MLP/vocab over tensor), ep (+ experts over
+    expert), cp (+ sequence over context, ring attention), fsdp_tp_ep, fsdp_ep_cp, all.
+    """
 
     data: int = 1
     fsdp: int = -1
@@ -109,6 +114,25 @@ class MeshConfig:
     tensor: int = 1
     context: int = 1
     preset: str = "fsdp"
+    devices: int = -1  # use the first N devices (-1: all of them), e.g. to restore on fewer devices
+    cp_layout: str = "striped"  # striped (causal load balance) | contiguous
+
+
+@dataclass(frozen=True)
+class DistributedConfig:
+    """Multi-host start-up (`sharding.distributed.initialize`, before any other JAX call).
+
+    Unset fields come from the environment (DSJAX_COORDINATOR_ADDRESS, DSJAX_NUM_PROCESSES,
+    DSJAX_PROCESS_ID, or JAX's JAX_COORDINATOR_ADDRESS / cluster auto-detection: SLURM, Open MPI,
+    Kubernetes, ...). With nothing set anywhere the run is single-process.
+    """
+
+    coordinator_address: Optional[str] = None  # host:port of process 0
+    num_processes: Optional[int] = None
+    process_id: Optional[int] = None
+    initialization_timeout: int = 300  # s to wait for all processes to join
+    heartbeat_timeout: int = 100  # s without a heartbeat before a process counts as dead
+    cpu_collectives: str = "gloo"  # CPU backend cross-process collectives: gloo | mpi
 
 
 @dataclass(frozen=True)
@@ -175,6 +199,7 @@ class CheckpointConfig:
 class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -365,7 +390,9 @@ _CHOICES = {
     "model.attention_impl": ("auto", "pallas", "reference"),
     "model.moe_impl": ("auto", "pallas", "reference"),
     "model.remat": ("none", "full", "dots_saveable"),
-    "mesh.preset": ("fsdp", "dp", "tp", "ep", "cp", "fsdp_tp_ep"),
+    "mesh.preset": ("fsdp", "dp", "tp", "ep", "cp", "fsdp_tp_ep", "fsdp_ep_cp", "all"),
+    "mesh.cp_layout": ("striped", "contiguous"),
+    "distributed.cpu_collectives": ("gloo", "mpi"),
     "optim.schedule": ("cosine", "wsd", "constant"),
     "model.rope_scaling.type": ("yarn",),
 }
@@ -415,6 +442,31 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config: model.intermediate_size must be > 0 when first_k_dense_replace > 0")
     if m.rope_scaling is not None and m.rope_scaling.factor <= 0:
         raise ConfigError(f"config: model.rope_scaling.factor must be > 0, got {m.rope_scaling.factor}")
+    mc = cfg.mesh
+    sizes = {a: getattr(mc, a) for a in ("data", "fsdp", "expert", "tensor", "context")}
+    for a, n in sizes.items():
+        if n == 0 or n < -1:
+            raise ConfigError(f"config: mesh.{a}={n} must be >= 1 or -1 (fill the rest)")
+    if sum(n == -1 for n in sizes.values()) > 1:
+        raise ConfigError(f"config: mesh: only one axis may be -1, got {sizes}")
+    if mc.devices == 0 or mc.devices < -1:
+        raise ConfigError(f"config: mesh.devices={mc.devices} must be >= 1 or -1 (all)")
+    if m.num_moe_layers > 0 and mc.expert > 1 and m.n_routed_experts % mc.expert:
+        raise ConfigError(f"config: mesh.expert={mc.expert} must divide model.n_routed_experts="
+                          f"{m.n_routed_experts}")
+    if mc.tensor > 1 and m.num_attention_heads % mc.tensor:
+        raise ConfigError(f"config: mesh.tensor={mc.tensor} must divide model.num_attention_heads="
+                          f"{m.num_attention_heads}")
+    if mc.context > 1 and mc.cp_layout == "striped" and m.num_nextn_predict_layers > 0:
+        raise ConfigError("config: mesh.cp_layout=striped reorders the sequence, which the MTP shift "
+                          "(model.num_nextn_predict_layers > 0) does not allow; use mesh.cp_layout=contiguous")
+    if mc.context > 1 and cfg.data.seq_len % mc.context:
+        raise ConfigError(f"config: mesh.context={mc.context} must divide data.seq_len={cfg.data.seq_len}")
+    dc = cfg.distributed
+    if dc.num_processes is not None and dc.num_processes < 1:
+        raise ConfigError(f"config: distributed.num_processes must be >= 1, got {dc.num_processes}")
+    if dc.process_id is not None and dc.num_processes is not None and not 0 <= dc.process_id < dc.num_processes:
+        raise ConfigError(f"config: distributed.process_id={dc.process_id} must be in [0, num_processes)")
     d, t, o, c = cfg.data, cfg.train, cfg.optim, cfg.checkpoint
     if d.seq_len <= 0 or d.batch_size <= 0:
         raise ConfigError("config: data.seq_len and data.batch_size must be > 0")

@@ -3,7 +3,10 @@
 Legend: B batch, T query length, S key length, D hidden_size, H heads, Dn qk_nope_head_dim,
 R qk_rope_head_dim, Dv v_head_dim, C kv_lora_rank, Q q_lora_rank, F MLP width.
 Kernels are stored [in, out] (HF linears are [out, in]); parameters carry logical axis names
-(`embed`, `heads`, `q_lora`, `kv_lora`, `mlp`, `vocab`, `norm`) that `sharding.rules` maps to the mesh.
+(`embed`, `heads`, `q_lora`, `kv_lora`, `mlp`, `vocab`, `norm`) that `sharding.rules` maps to the mesh;
+activations are constrained by logical names (`batch`, `seq`, `act_heads`) under an active
+`sharding.rules` context, and attention becomes ring attention when that context's mesh has
+context > 1 (`sharding.ring_attention`).
 Maths: DeepSeek-V2 paper sec. 2.1 (MLA); transformers/models/deepseek_v3/modeling_deepseek_v3.py.
 """
 from __future__ import annotations
@@ -15,6 +18,8 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.rope import apply_rope
 from pallas_kernels.flash_attention import flash_attention
+from sharding import rules as shr
+from sharding.ring_attention import context_attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -130,9 +135,15 @@ class MLA(nnx.Module):
     def __call__(self, x, cos, sin, segment_ids, scale):
         """x [B, T, D]; cos/sin [B, T, R/2]; segment_ids [B, T] int (0 = padding) -> [B, T, D]."""
         B, T, _ = x.shape
-        q = self.queries(x, cos, sin)
+        x = shr.constrain(x, ("batch", "seq", None))
+        q = shr.constrain(self.queries(x, cos, sin), ("batch", "seq", "act_heads", None))
         c_kv, k_rope = self.latent(x, cos, sin)
         k, v = self.expand_kv(c_kv, k_rope)
-        o = flash_attention(q, k, v, causal=True, scale=scale, segment_ids=segment_ids,
-                            impl=self.cfg.attention_impl)
-        return self.o_proj(o.reshape(B, T, -1))
+        ctx = shr.current()
+        if shr.context_parallel_active():  # sequence over `context`: ring attention
+            o = context_attention(q, k, v, ctx=ctx, causal=True, scale=scale, segment_ids=segment_ids,
+                                  impl=self.cfg.attention_impl)
+        else:
+            o = flash_attention(q, k, v, causal=True, scale=scale, segment_ids=segment_ids,
+                                impl=self.cfg.attention_impl)
+        return shr.constrain(self.o_proj(o.reshape(B, T, -1)), ("batch", "seq", None))

@@ -7,6 +7,8 @@ Sources: DeepSeek-V2 paper sec. 2.2 (device-limited routing), DeepSeek-V3 paper 
 (sigmoid affinities, aux-loss-free bias, sequence-wise balance loss eq. 17-20);
 transformers/models/deepseek_v{2,3}/modeling_deepseek_v{2,3}.py (`DeepseekV3TopkRouter`,
 `DeepseekV2Moe.route_tokens_to_experts`).
+Under an active `sharding.rules` context whose mesh has expert > 1, the routed experts run
+expert-parallel (`sharding.expert_parallel`); the maths is unchanged.
 """
 from __future__ import annotations
 
@@ -17,6 +19,8 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.layers import MLP, dtype_of
 from pallas_kernels.moe import grouped_matmul, permute, unpermute
+from sharding import rules as shr
+from sharding.expert_parallel import moe_from_context
 
 
 class RouterBias(nnx.Variable):
@@ -112,6 +116,17 @@ class MoE(nnx.Module):
         self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), wdt), out_sharding=("experts", "mlp", "embed"))
         self.shared_experts = MLP(cfg, F * cfg.n_shared_experts, rngs=rngs) if cfg.n_shared_experts else None
 
+    def _routed(self, xt, ids, weights):
+        """Single-program dropless dispatch: xt [T, D], ids/weights [T, K] -> [T, D]."""
+        c = self.cfg
+        dt = dtype_of(c.dtype)
+        xs, group_sizes, perm = permute(xt.astype(dt), ids, num_experts=c.n_routed_experts, impl=c.moe_impl)
+        g = grouped_matmul(xs, self.gate_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        u = grouped_matmul(xs, self.up_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        h = jax.nn.silu(g) * u
+        y = grouped_matmul(h, self.down_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        return unpermute(y, perm, weights, impl=c.moe_impl)
+
     def __call__(self, x, token_mask):
         """x [B, T, D]; token_mask [B, T] bool -> (y [B, T, D], stats dict)."""
         c = self.cfg
@@ -122,12 +137,13 @@ class MoE(nnx.Module):
         bias = (self.e_score_correction_bias[...] if self.e_score_correction_bias is not None
                 else jnp.zeros((c.n_routed_experts,), jnp.float32))
         ids, weights, scores = route(logits, bias, c)
-        xs, group_sizes, perm = permute(xt.astype(dt), ids, num_experts=c.n_routed_experts, impl=c.moe_impl)
-        g = grouped_matmul(xs, self.gate_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
-        u = grouped_matmul(xs, self.up_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
-        h = jax.nn.silu(g) * u
-        y = grouped_matmul(h, self.down_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
-        out = unpermute(y, perm, weights, impl=c.moe_impl).reshape(B, T, D)
+        if shr.expert_parallel_active():  # experts over the `expert` mesh axis
+            K = c.num_experts_per_tok
+            out = moe_from_context(x, ids.reshape(B, T, K), weights.reshape(B, T, K), self.gate_proj[...],
+                                   self.up_proj[...], self.down_proj[...], ctx=shr.current(),
+                                   impl=c.moe_impl, dtype=dt).astype(dt)
+        else:
+            out = self._routed(xt, ids, weights).reshape(B, T, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         counts, entropy, seq_aux = balance_stats(ids, scores, token_mask.reshape(-1), c, (B, T))

@@ -6,9 +6,18 @@
   RUN_DIR/metrics.jsonl      one JSON object per logged step / evaluation
   RUN_DIR/tb/                TensorBoard event files
   RUN_DIR/checkpoints/<step> orbax checkpoints (state, data-loader position, config)
+
+Parallelism (`setup_parallel`): `sharding.distributed.initialize` first (multi-host), then the
+mesh of `cfg.mesh` and its rules preset. The state is created directly in its sharded layout
+(parameters, gradients and Adam moments per `sharding.rules`), each process feeds its rows of
+the global batch (`jax.make_array_from_process_local_data`, sequence striped over `context`
+for ring attention), and the step is jitted with those shardings while the rules are active,
+so the model's logical constraints, ring attention and expert parallelism apply. A checkpoint
+restores into the shardings of the *current* mesh, whatever mesh wrote it (case 6).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import shutil
 import signal
@@ -18,6 +27,8 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer, abstract_like
@@ -25,6 +36,10 @@ from dsjax.data import Documents, PackedLoader, expand_sources, load_or_train, s
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_model, init_state, make_eval_step, make_train_step
+from sharding import distributed as sdist
+from sharding import rules as shr
+from sharding.mesh import make_mesh
+from sharding.ring_attention import stripe
 
 log = logging.getLogger("dsjax.train")
 SIGTERM_EXIT = 143
@@ -32,6 +47,118 @@ SIGTERM_EXIT = 143
 
 class NonFiniteError(RuntimeError):
     """Raised when gradients are non-finite under bf16/fp32 and skipping is not configured."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallel:
+    """The mesh, its rules preset and the context the model reads while a step is traced."""
+
+    mesh: jax.sharding.Mesh
+    rules: shr.Rules
+    ctx: shr.ShardingContext
+
+    @property
+    def cp(self) -> int:
+        return self.ctx.size("context") if self.ctx.striped else 1
+
+    def batch_sharding(self, ndim: int, shape=None) -> NamedSharding:
+        """[B, T] (ndim 2) or [A, B, T] (ndim 3) batch arrays: batch over the data axes, T over
+        context. Given `shape`, batch axes that do not divide B are dropped (replicated)."""
+        logical = ("batch", "seq") if ndim == 2 else (None, "batch", "seq")
+        return NamedSharding(self.mesh, self.rules.spec(logical, shape, self.mesh, strict=shape is None))
+
+
+def setup_parallel(cfg: C.Config, devices=None) -> Parallel:
+    """Multi-host init (if configured), mesh and rules of `cfg.mesh`.
+
+    Raises:
+      sharding.mesh.MeshError / sharding.rules.ShardingRuleError: sizes that do not fit the
+        devices, or a mesh axis the preset does not use.
+      ConfigError: the global batch does not split over the batch axes or the processes.
+    """
+    sdist.initialize_from_config(cfg.distributed)
+    mesh = make_mesh(cfg.mesh, devices)
+    rules = shr.get_rules(cfg.mesh.preset)
+    rules.check_mesh(mesh)
+    par = Parallel(mesh, rules, shr.ShardingContext(mesh, rules, striped=cfg.mesh.cp_layout == "striped"))
+    n_batch = int(np.prod([mesh.shape[a] for a in rules.mesh_axes("batch", mesh)]))
+    if cfg.data.batch_size % n_batch:
+        if mesh.shape["expert"] > 1 or mesh.shape["context"] > 1 or jax.process_count() > 1:
+            raise C.ConfigError(f"config: data.batch_size={cfg.data.batch_size} is not divisible by the "
+                                f"{n_batch} batch shards of mesh {dict(mesh.shape)} (preset {rules.name})")
+        log.warning("data.batch_size=%d does not split over %d batch shards: the batch is partly "
+                    "replicated (parameters stay sharded)", cfg.data.batch_size, n_batch)
+    if cfg.data.batch_size % jax.process_count():
+        raise C.ConfigError(f"config: data.batch_size={cfg.data.batch_size} is not divisible by "
+                            f"{jax.process_count()} processes")
+    return par
+
+
+def state_shardings(fns, tx, par: Parallel, abstract_state: dict) -> dict:
+    """NamedShardings of the whole train state under `par`'s rules (ZeRO-3 for params and
+    moments, replicated scalars; router biases by their logical axes)."""
+    p_logical = nnx.get_partition_spec(fns.abstract_params).to_pure_dict()
+    r_logical = nnx.get_partition_spec(fns.abstract_rest).to_pure_dict()
+    p_sh = shr.tree_shardings(p_logical, abstract_state["params"], par.mesh, par.rules)
+    r_sh = shr.tree_shardings(r_logical, abstract_state["rest"], par.mesh, par.rules, param=False)
+    rep = NamedSharding(par.mesh, P())
+    out = {k: rep for k in abstract_state}
+    out["params"], out["rest"] = p_sh, r_sh
+    out["opt"] = shr.optimizer_shardings(tx, abstract_state["opt"], p_sh, par.mesh)
+    return out
+
+
+def create_state(fns, params, rest, tx, par: Parallel):
+    """Place params/rest and build the optimizer state in their shardings.
+
+    Returns (state, shardings)."""
+    abstract = jax.eval_shape(lambda p, r: init_state(p, r, tx), params, rest)
+    sh = state_shardings(fns, tx, par, abstract)
+    params = jax.device_put(params, sh["params"])
+    rest = jax.device_put(rest, sh["rest"])
+    state = jax.jit(lambda p, r: init_state(p, r, tx), out_shardings=sh)(params, rest)
+    return state, sh
+
+
+def global_batch(par: Parallel, local: dict, accum: int | None = None) -> dict:
+    """This process's rows ([rows, T] numpy) -> global [A, B, T] (or [B, T] if accum is None)
+    jax.Arrays, with the sequence striped over `context` when ring attention is load-balanced."""
+    out = {}
+    P_ = jax.process_count()
+    for k, v in local.items():
+        v = np.asarray(v)
+        if accum is not None:
+            v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
+        v = stripe(v, par.cp, axis=v.ndim - 1)
+        gshape = list(v.shape)
+        gshape[-2] *= P_
+        sh = par.batch_sharding(v.ndim, tuple(gshape))
+        out[k] = jax.make_array_from_process_local_data(sh, v, tuple(gshape))
+    return out
+
+
+def jit_train_step(cfg: C.Config, fns, tx, schedule, par: Parallel, shardings: dict):
+    """The train step jitted with state/batch shardings, donated state and replicated metrics,
+    traced under the sharding context (ring attention, EP, activation constraints)."""
+    step = make_train_step(cfg, fns, tx, schedule)
+
+    def traced(state, batch):
+        with shr.use_sharding(par.ctx):
+            return step(state, batch)
+
+    return jax.jit(traced, in_shardings=(shardings, None),
+                   out_shardings=(shardings, NamedSharding(par.mesh, P())), donate_argnums=0)
+
+
+def jit_eval_step(cfg: C.Config, fns, par: Parallel, shardings: dict):
+    step = make_eval_step(cfg, fns)
+
+    def traced(params, rest, batch):
+        with shr.use_sharding(par.ctx):
+            return step(params, rest, batch)
+
+    return jax.jit(traced, in_shardings=(shardings["params"], shardings["rest"], None),
+                   out_shardings=NamedSharding(par.mesh, P()))
 
 
 def build_data(cfg: C.Config):
@@ -69,21 +196,11 @@ def build_data(cfg: C.Config):
     return tok, train, val
 
 
-def _to_device(batch: dict, accum: int | None = None) -> dict:
-    out = {}
-    for k, v in batch.items():
-        v = np.asarray(v)
-        if accum is not None:
-            v = v.reshape(accum, v.shape[0] // accum, *v.shape[1:])
-        out[k] = jnp.asarray(v)
-    return out
-
-
-def evaluate(eval_step, params, rest, val: PackedLoader, max_batches: int) -> float:
+def evaluate(eval_step, params, rest, val: PackedLoader, max_batches: int, par: Parallel) -> float:
     """Mean fp32 cross-entropy per real target token over (at most) max_batches batches."""
     nll, n = 0.0, 0.0
     for batch in val.iter_epoch_once(max_batches=max_batches):
-        s, c = eval_step(params, rest, _to_device(batch))
+        s, c = eval_step(params, rest, global_batch(par, batch))
         nll += float(s)
         n += float(c)
     return nll / max(n, 1.0)
@@ -99,6 +216,7 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
     """
     t0 = time.time()
     tc = cfg.train
+    par = setup_parallel(cfg)
     run_dir = Path(tc.run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
     if ckpt.latest_step() is not None and not resume:
@@ -117,15 +235,17 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
 
         params, rest = load_hf_params(tc.init_from_hf, cfg.model, params, rest)
     tx, schedule = build_optimizer(cfg.optim, tc.steps)
-    state = init_state(params, rest, tx)
+    state, shardings = create_state(fns, params, rest, tx, par)
+    del params, rest
     start = 0
     if resume and ckpt.latest_step() is not None:
+        # restores into this run's shardings, whatever mesh wrote the checkpoint
         state, data_state, _, start = ckpt.restore(abstract_like(state))
         train_loader.restore(data_state)
-        log.info("resumed from step %d", start)
+        log.info("resumed from step %d on mesh %s", start, dict(par.mesh.shape))
 
-    train_step = jax.jit(make_train_step(cfg, fns, tx, schedule), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(cfg, fns))
+    train_step = jit_train_step(cfg, fns, tx, schedule, par, shardings)
+    eval_step = jit_eval_step(cfg, fns, par, shardings)
     writer = MetricsWriter(run_dir, tc.tensorboard)
     ftok = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = device_peak_flops(cfg.model.dtype, tc.peak_tflops)
@@ -137,7 +257,7 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
 
     summary = {"val_loss": {}, "train_loss": {}}
     if val_loader is not None and start == 0:
-        v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches)
+        v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
         summary["val_loss"][0] = v
         writer.write(0, {"val_loss": v})
         log.info("step 0 val_loss %.4f", v)
@@ -152,7 +272,7 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
     step = start
     try:
         for step in range(start + 1, tc.steps + 1):
-            batch = _to_device(next(train_loader), tc.grad_accum)
+            batch = global_batch(par, next(train_loader), tc.grad_accum)
             state, metrics = train_step(state, batch)
             pending = metrics
             if bar is not None:
@@ -183,7 +303,7 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
                         f"non-finite gradients at step {nf + 1}: the update was not applied; set "
                         f"train.skip_nonfinite=true to skip such steps")
             if val_loader is not None and (step % tc.eval_every == 0 or last_of_run):
-                v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches)
+                v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
                 summary["val_loss"][step] = v
                 writer.write(step, {"val_loss": v})
                 msg = f"step {step} val_loss {v:.4f}"
