@@ -77,7 +77,8 @@ def compile_memory(cfg, n_devices: int) -> dict:
     out = {
         "params": per_device(state["params"], sh["params"]),
         "optimizer": per_device(state["opt"], sh["opt"]),
-        "rest": per_device(state["rest"], sh["rest"]),
+        "rest": per_device(state["rest"], sh["rest"]) + sum(
+            per_device(state[k], sh[k]) for k in state if k not in ("params", "opt", "rest")),
         "batch": batch_bytes,
         "argument": int(ma.argument_size_in_bytes),
         "output": int(ma.output_size_in_bytes),
@@ -111,7 +112,7 @@ def _report(cfg, n, hbm_gb, res) -> str:
              "per device (GB):",
              f"  parameters        {f['params'] / GB:9.2f}",
              f"  optimizer state   {f['optimizer'] / GB:9.2f}",
-             f"  router biases     {f['rest'] / GB:9.4f}",
+             f"  router bias, misc {f['rest'] / GB:9.4f}",
              f"  batch             {f['batch'] / GB:9.4f}",
              f"  compiled args     {f['argument'] / GB:9.2f}  (state + batch; "
              f"sharding-derived {(f['params'] + f['optimizer'] + f['rest'] + f['batch']) / GB:.2f})",
