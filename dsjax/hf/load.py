@@ -87,6 +87,19 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
         except FileNotFoundError:
             hf_config = None
     block = _block_size(hf_config)
+    if hf_config is not None:  # shapes are checked per tensor; routing/RoPE semantics only here
+        try:
+            theirs = model_config_from_hf(hf_config)
+        except ValueError as e:
+            log.warning("hf: cannot interpret %s/config.json (%s); loading by shapes only", path, e)
+        else:
+            keys = ("topk_method", "scoring_func", "norm_topk_prob", "routed_scaling_factor", "n_group",
+                    "topk_group", "num_experts_per_tok", "rope_theta", "rope_scaling", "rope_interleave",
+                    "rms_norm_eps", "first_k_dense_replace")
+            diff = [f"{k}={getattr(model_cfg, k)!r} (checkpoint {getattr(theirs, k)!r})"
+                    for k in keys if getattr(model_cfg, k) != getattr(theirs, k)]
+            if diff:
+                log.warning("hf: model config differs from %s/config.json: %s", path, "; ".join(diff))
     trees = {"params": params, "rest": rest}
     table = M.entries(model_cfg, params, rest)
     by_key = {e.hf: e for e in table}
