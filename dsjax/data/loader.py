@@ -29,6 +29,9 @@ Per batch (B = rows of this process, T = ``seq_len``; all numpy):
                               attention only sees differences of positions inside a segment, so
                               this equals the true in-document offset and keeps positions < T.
 
+A corpus with fewer documents than ``batch_size`` (one big text file, say) is first split into
+pieces at line boundaries (``split_documents``), so that every lane has text of its own.
+
 Padding (pad_id, mask 0, segment 0, position 0) appears only in a finite pass
 (``iter_epoch_once``): once a lane has run out of documents its rows are padding; the pass ends
 when every lane has.
@@ -146,6 +149,24 @@ def pack_rows(tokens: np.ndarray, serial: np.ndarray, rows: int, seq_len: int,
     }
 
 
+def split_documents(docs: list[str], parts: int) -> list[str]:
+    """Split documents into at least ``parts`` pieces, each document into about equal pieces at
+    line boundaries (at character boundaries for documents of too few lines), in order.
+
+    Used when a corpus has fewer documents than batch rows (e.g. one big text file): every lane
+    then still gets its own text. Each piece becomes a document of its own (EOS after it).
+    """
+    per_doc = -(-parts // len(docs))
+    out = []
+    for d in docs:
+        lines = d.splitlines(keepends=True)
+        units = lines if len(lines) >= per_doc else list(d)
+        n = min(per_doc, len(units))
+        size = -(-len(units) // n)
+        out.extend("".join(units[i:i + size]) for i in range(0, len(units), size))
+    return [p for p in out if p]
+
+
 class PackedLoader:
     """Infinite, shuffled, resumable packed batches; plus a finite validation pass.
 
@@ -174,6 +195,8 @@ class PackedLoader:
         self.docs = [d for d in docs if d]
         if not self.docs:
             raise ValueError("PackedLoader: no non-empty documents")
+        if len(self.docs) < batch_size:
+            self.docs = split_documents(self.docs, batch_size)
         self.tok, self.batch_size, self.seq_len = tok, batch_size, seq_len
         self.seed, self.shuffle, self.chunk_docs = seed, shuffle, chunk_docs
         self.process_index, self.process_count = process_index, process_count
@@ -208,9 +231,9 @@ class PackedLoader:
 
     def __next__(self) -> dict[str, np.ndarray]:
         if not self._streams:
-            raise ValueError(f"PackedLoader: {len(self.docs)} documents cannot feed "
-                             f"{self.batch_size} lanes (batch rows); use a smaller batch_size "
-                             f"or more documents")
+            raise ValueError(f"PackedLoader: the corpus has too little text ({len(self.docs)} "
+                             f"pieces) to feed {self.batch_size} batch rows; use a smaller "
+                             f"data.batch_size or more text")
         return self._batch(self._streams)
 
     def iter_epoch_once(self, max_batches: int | None = None) -> Iterator[dict[str, np.ndarray]]:

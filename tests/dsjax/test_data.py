@@ -309,3 +309,15 @@ def test_loader_throughput(tok):
     for _ in range(50):
         n += next(L)["inputs"].size
     assert n / (time.perf_counter() - t0) > 50_000
+
+
+def test_fewer_documents_than_rows_are_split(tok):
+    """One big file and batch 8: the document is split at line boundaries, one piece per lane."""
+    big = "".join(f"line {i} = {i * i}\n" for i in range(400))
+    L = PackedLoader([big], tok, 8, 16, seed=0)
+    assert len(L.docs) == 8 and "".join(L.docs) == big
+    assert all(d.endswith("\n") for d in L.docs)
+    b = next(L)
+    firsts = {tok.decode(b["inputs"][r][:8].tolist()) for r in range(8)}
+    assert len(firsts) == 8 and all(f.startswith("line ") for f in firsts), firsts
+    assert len(list(PackedLoader(["ab"], tok, 4, 8, seed=0).iter_epoch_once())) >= 1
