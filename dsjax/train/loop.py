@@ -241,7 +241,11 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
     if resume and ckpt.latest_step() is not None:
         # restores into this run's shardings, whatever mesh wrote the checkpoint
         state, data_state, _, start = ckpt.restore(abstract_like(state))
-        train_loader.restore(data_state)
+        if data_state:
+            train_loader.restore(data_state)
+        else:  # e.g. a run written by `dsjax.convert --from-hf`: weights only
+            log.warning("checkpoint step %d holds no data-loader position: data starts from the "
+                        "beginning of the corpus", start)
         log.info("resumed from step %d on mesh %s", start, dict(par.mesh.shape))
 
     train_step = jit_train_step(cfg, fns, tx, schedule, par, shardings)
@@ -255,19 +259,23 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
     stop = {"sigterm": False}
     prev = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
 
-    summary = {"val_loss": {}, "train_loss": {}}
-    if val_loader is not None and start == 0:
-        v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
-        summary["val_loss"][0] = v
-        writer.write(0, {"val_loss": v})
-        log.info("step 0 val_loss %.4f", v)
-
     bar = None
     if tc.progress:
         from tqdm import tqdm
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", dynamic_ncols=True)
-    last_t, last_step, tokens_since = time.time(), start, 0.0
+
+    def say(msg: str) -> None:
+        line = f"{time.strftime('%H:%M:%S')} dsjax.train: {msg}"
+        (bar.write(line) if bar is not None else print(line, flush=True))
+
+    summary = {"val_loss": {}, "train_loss": {}}
+    if val_loader is not None and start == 0:
+        v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
+        summary["val_loss"][0] = v
+        writer.write(0, {"val_loss": v, "elapsed_s": time.time() - t0})
+        say(f"step 0 val_loss {v:.4f}")
+    last_t, last_step = time.time(), start
     pending = None
     step = start
     try:
@@ -275,16 +283,22 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
             batch = global_batch(par, next(train_loader), tc.grad_accum)
             state, metrics = train_step(state, batch)
             pending = metrics
+            if step == start + 1:  # the first step compiles: keep it out of tokens/s
+                jax.block_until_ready(metrics)
+                summary["first_step_s"] = time.time() - last_t
+                last_t, last_step = time.time(), step
             if bar is not None:
                 bar.update(1)
             last_of_run = step == tc.steps
             if step % tc.log_every == 0 or last_of_run or stop["sigterm"]:
                 m = jax.device_get(metrics)
                 now = time.time()
-                tokens_since = float(m["tokens"]) * (step - last_step)
-                tps = tokens_since / max(now - last_t, 1e-9)
-                last_t, last_step = now, step
-                rec = {"loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
+                if step == last_step:  # only the first (compiling) step so far
+                    tps = float(m["tokens"]) / max(summary["first_step_s"], 1e-9)
+                else:
+                    tps = float(m["tokens"]) * (step - last_step) / max(now - last_t, 1e-9)
+                    last_t, last_step = now, step
+                rec = {"elapsed_s": now - t0, "loss": m["loss"], "lr": m["lr"], "grad_norm": m["grad_norm"],
                        "tokens_per_s": tps, "loss_scale": m["loss_scale"], "skipped": m["skipped"]}
                 if peak:
                     rec["mfu"] = tps * ftok / (peak * n_dev)
@@ -305,15 +319,13 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
             if val_loader is not None and (step % tc.eval_every == 0 or last_of_run):
                 v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
                 summary["val_loss"][step] = v
-                writer.write(step, {"val_loss": v})
-                msg = f"step {step} val_loss {v:.4f}"
-                (bar.write(msg) if bar is not None else log.info(msg))
+                writer.write(step, {"val_loss": v, "elapsed_s": time.time() - t0})
+                say(f"step {step} val_loss {v:.4f}")
             if step % cfg.checkpoint.every == 0 or last_of_run or stop["sigterm"]:
                 ckpt.save(step, state, train_loader.state(), cfg_dict)
             if stop["sigterm"]:
                 ckpt.wait()
-                msg = f"SIGTERM: saved checkpoint at step {step} in {ckpt.directory}; exiting"
-                (bar.write(msg) if bar is not None else log.warning(msg))
+                say(f"SIGTERM: saved checkpoint at step {step} in {ckpt.directory}; exiting")
                 raise SystemExit(SIGTERM_EXIT)
         ckpt.wait()
     finally:

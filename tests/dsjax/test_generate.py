@@ -57,6 +57,7 @@ def test_cli_generates_from_a_run(tmp_path, monkeypatch, capsys):
         "data.batch_size=4", "model.vocab_size=300", "model.num_hidden_layers=2",
         f"train.run_dir={tmp_path}/run", "train.steps=2", "train.progress=false", "train.eval_every=100"])
     loop.train(cfg)
+    capsys.readouterr()  # drop the training messages
     monkeypatch.setattr(sys, "argv", ["dsjax.generate", "--checkpoint", str(tmp_path / "run"),
                                       "--prompt", "def f(x):", "--max-new-tokens", "8"])
     G.main()

@@ -21,8 +21,8 @@ from dsjax.hf import mapping as M
 from dsjax.hf.safetensors_io import dequant_fp8, write_sharded
 from dsjax.model.rope import softmax_scale
 
-torch = pytest.importorskip("torch", reason="HF interop tests need torch (test extra)")
-transformers = pytest.importorskip("transformers", minversion="5.16.1")
+import torch  # noqa: E402  the test extra: missing torch/transformers fails loudly, never skips
+import transformers  # noqa: E402
 
 from dsjax.hf import parity as P  # noqa: E402
 
