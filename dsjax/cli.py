@@ -27,7 +27,7 @@ def run_main(prog: str, fn) -> None:
     try:
         from absl import logging as absl_logging
 
-        absl_logging.set_verbosity(absl_logging.WARNING)
+        absl_logging.set_verbosity(absl_logging.ERROR)
     except ImportError:  # pragma: no cover
         pass
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
