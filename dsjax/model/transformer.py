@@ -90,17 +90,22 @@ class DeepSeekModel(nnx.Module):
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
         return jax.lax.scan(body, h, state)
 
-    def embed(self, tokens):
-        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype_of(self.cfg.dtype))
-
-    def hidden_states(self, tokens, positions=None, segment_ids=None):
-        """tokens [B, T] int32 -> (final normed hidden [B, T, D] in compute dtype, aux dict)."""
+    def _rope_inputs(self, tokens, positions, segment_ids):
+        """Defaults (positions 0..T-1, one segment) and RoPE cos/sin [B, T, R/2] for tokens [B, T]."""
         B, T = tokens.shape
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
         if segment_ids is None:
             segment_ids = jnp.ones((B, T), jnp.int32)
         cos, sin = rope_cos_sin(positions, self.inv_freq, self.attn_factor)
+        return segment_ids, cos, sin
+
+    def embed(self, tokens):
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(dtype_of(self.cfg.dtype))
+
+    def hidden_states(self, tokens, positions=None, segment_ids=None):
+        """tokens [B, T] int32 -> (final normed hidden [B, T, D] in compute dtype, aux dict)."""
+        segment_ids, cos, sin = self._rope_inputs(tokens, positions, segment_ids)
         h = self.embed(tokens)
         aux = {}
         if self.dense_layers is not None:
@@ -131,12 +136,7 @@ class DeepSeekModel(nnx.Module):
         list of K MoE stats dicts). See dsjax/model/mtp.py for the maths and `mtp_targets` for
         the matching targets and mask.
         """
-        B, T = tokens.shape
-        if positions is None:
-            positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
-        if segment_ids is None:
-            segment_ids = jnp.ones((B, T), jnp.int32)
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attn_factor)
+        segment_ids, cos, sin = self._rope_inputs(tokens, positions, segment_ids)
         hs, stats = self.mtp(h, tokens, self.embed, cos, sin, segment_ids, self.scale)
         return [self.logits(x) for x in hs], stats
 
