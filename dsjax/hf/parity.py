@@ -158,6 +158,8 @@ def hf_mtp_model(model, seed: int):
         from transformers.modeling_layers import MtpModel
     except ImportError:
         return None
+    if not all(hasattr(MtpModel, f) for f in ("forward_layer", "_project_to_logits", "tie_with_main_model")):
+        return None  # older transformers (e.g. 5.17): a different MtpModel API
     mtp = MtpModel(model, model.config.num_nextn_predict_layers).to(model.dtype)
     randomize_(mtp, seed + 1, only="layers.")  # embedding and head are the main model's
     return mtp.eval()
@@ -265,6 +267,10 @@ def check(name: str, workdir: Path, *, seed: int = 0, decode_tokens: int = 32, g
     path = Path(workdir) / name
     hf.save_pretrained(path)
     mtp = hf_mtp_model(hf, seed) if getattr(hf.config, "num_nextn_predict_layers", 0) else None
+    if getattr(hf.config, "num_nextn_predict_layers", 0) and mtp is None:
+        import transformers
+
+        res["mtp_unavailable"] = f"transformers {transformers.__version__} has no usable MtpModel"
     if mtp is not None:
         add_tensors(path, mtp_tensors(mtp, hf.config.num_hidden_layers))
     hf = load_eager(path)  # as a user would; fused experts in memory, eager kernels

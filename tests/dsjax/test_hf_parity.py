@@ -51,7 +51,9 @@ def test_bf16_kl_and_top1(res):
 def test_mtp_logits_vs_transformers(res):
     # MTP is a DeepSeek-V3 feature: the V2 configs have none to compare
     if res["config"] == "v3":
-        assert "mtp_logits_rel" in res, "installed transformers has no MtpModel to compare with"
-        assert res["mtp_logits_rel"] <= 1e-5, res
+        if "mtp_unavailable" in res:  # only older transformers lack the MtpModel API we compare with
+            assert Version(transformers.__version__) < Version("5.24"), res["mtp_unavailable"]
+        else:
+            assert res["mtp_logits_rel"] <= 1e-5, res
     else:
         assert "mtp_logits_rel" not in res
