@@ -121,6 +121,9 @@ class SafetensorsCheckpoint:
         """Tensor `key` as float32 if FP8-quantised with a `_scale_inv` companion, else as stored."""
         w = self.read(key)
         if not self.is_quantized(key):
+            if w.dtype.name.startswith("float8"):
+                raise CheckpointError(f"{key}: stored as {w.dtype.name} but the checkpoint has no "
+                                      f"{key}{SCALE_SUFFIX} to dequantise it with")
             return w
         s = self.read(key + SCALE_SUFFIX).astype(np.float32)
         return dequant_fp8(w, s, block, key)

@@ -269,6 +269,16 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
         line = f"{time.strftime('%H:%M:%S')} dsjax.train: {msg}"
         (bar.write(line) if bar is not None else print(line, flush=True))
 
+    def check_nonfinite() -> None:
+        """Stop (bf16/fp32 without skip_nonfinite) once a step had non-finite gradients; the
+        train step applied no update from that step on, so the state is the last good one."""
+        if cfg.model.dtype == "float16" or tc.skip_nonfinite:
+            return
+        nf = int(jax.device_get(state["nonfinite_step"]))
+        if nf >= 0:
+            raise NonFiniteError(f"non-finite gradients at step {nf + 1}: no update was applied from "
+                                 f"then on; set train.skip_nonfinite=true to skip such steps instead")
+
     summary = {"val_loss": {}, "train_loss": {}}
     if val_loader is not None and start == 0:
         v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
@@ -311,17 +321,14 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
                 if bar is not None:
                     bar.set_postfix(loss=f"{float(m['loss']):.3f}", lr=f"{float(m['lr']):.2e}",
                                     tok_s=f"{tps:,.0f}")
-                nf = int(jax.device_get(state["nonfinite_step"]))
-                if nf >= 0 and cfg.model.dtype != "float16" and not tc.skip_nonfinite:
-                    raise NonFiniteError(
-                        f"non-finite gradients at step {nf + 1}: the update was not applied; set "
-                        f"train.skip_nonfinite=true to skip such steps")
+                check_nonfinite()
             if val_loader is not None and (step % tc.eval_every == 0 or last_of_run):
                 v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
                 summary["val_loss"][step] = v
                 writer.write(step, {"val_loss": v, "elapsed_s": time.time() - t0})
                 say(f"step {step} val_loss {v:.4f}")
             if step % cfg.checkpoint.every == 0 or last_of_run or stop["sigterm"]:
+                check_nonfinite()  # never checkpoint past a halted step
                 ckpt.save(step, state, train_loader.state(), cfg_dict)
             if stop["sigterm"]:
                 ckpt.wait()

@@ -86,6 +86,9 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     mcfg = cfg.model
     fp16 = mcfg.dtype == "float16"
     n_accum = cfg.train.grad_accum
+    # bf16/fp32 without train.skip_nonfinite: after the first non-finite gradient no update is
+    # applied any more, so the state stays the last good one until the loop stops the run
+    halt_on_nonfinite = not fp16 and not cfg.train.skip_nonfinite
     has_moe = mcfg.num_moe_layers > 0
     noaux = has_moe and mcfg.topk_method == "noaux_tc"
     n_mtp = mcfg.num_nextn_predict_layers
@@ -115,6 +118,9 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
     def train_step(state, batch):
+        if batch["inputs"].shape[0] != n_accum:
+            raise ValueError(f"train_step: batch leading dim {batch['inputs'].shape[0]} must equal "
+                             f"train.grad_accum={n_accum} (micro-batches)")
         params, rest = state["params"], state["rest"]
         scale = state["loss_scale"] if fp16 else jnp.asarray(1.0, jnp.float32)
         n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
@@ -143,27 +149,28 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
         grads = jax.tree.map(lambda g: g / scale, grads)
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
+        ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
         grad_norm = optax.tree.norm(grads)
-        safe_grads = jax.tree.map(lambda g: jnp.where(finite, g, 0.0), grads)
+        safe_grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
         updates, new_opt = tx.update(safe_grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)
-        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+        keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         new_state = dict(state)
         new_state["params"] = keep(new_params, params)
         new_state["opt"] = keep(new_opt, state["opt"])
-        new_state["step"] = state["step"] + finite.astype(jnp.int32)
+        new_state["step"] = state["step"] + ok.astype(jnp.int32)
         if noaux:
             bias = rest["moe_layers"]["mlp"]["e_score_correction_bias"]
             new_bias = update_router_bias(bias, aux["expert_counts"], mcfg.router_bias_update_rate)
             new_rest = jax.tree.map(lambda x: x, rest)
-            new_rest["moe_layers"]["mlp"]["e_score_correction_bias"] = jnp.where(finite, new_bias, bias)
+            new_rest["moe_layers"]["mlp"]["e_score_correction_bias"] = jnp.where(ok, new_bias, bias)
             new_state["rest"] = new_rest
         if mtp_noaux:  # the MTP blocks' routers are balanced the same way
             new_rest = new_state["rest"] = jax.tree.map(lambda x: x, new_state["rest"])
             mlp = new_rest["mtp"]["layers"]["block"]["mlp"]
             bias = mlp["e_score_correction_bias"]
             new_bias = update_router_bias(bias, aux["mtp_expert_counts"], mcfg.router_bias_update_rate)
-            mlp["e_score_correction_bias"] = jnp.where(finite, new_bias, bias)
+            mlp["e_score_correction_bias"] = jnp.where(ok, new_bias, bias)
         new_state["skipped"] = state["skipped"] + (~finite).astype(jnp.int32)
         new_state["nonfinite_step"] = jnp.where(
             (state["nonfinite_step"] < 0) & ~finite, state["step"], state["nonfinite_step"])

@@ -417,3 +417,15 @@ def test_convert_cli_from_hf_generate_and_back(v3, tmp_path):
     r = subprocess.run([sys.executable, "-m", "dsjax.convert", "--from-hf", str(tmp_path / "nope"),
                         "--out", str(tmp_path / "x")], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "error" in r.stderr
+
+
+def test_fp8_weight_without_its_scale_is_an_error(tmp_path):
+    """An e4m3 weight whose weight_scale_inv is missing must not load as raw fp8 values."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.layers.0.self_attn.o_proj.weight": torch.ones(4, 4).to(torch.float8_e4m3fn)},
+              str(tmp_path / "model.safetensors"))
+    ck = SafetensorsCheckpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="o_proj.weight: stored as float8_e4m3fn.*no .*weight_scale_inv"):
+        ck.read_dequant("model.layers.0.self_attn.o_proj.weight")

@@ -151,6 +151,25 @@ def test_bf16_nonfinite_stops_naming_the_step(corpus, tmp_path, monkeypatch):
         loop.train(cfg)
 
 
+def test_bf16_halts_updates_after_a_nonfinite_step(tmp_path):
+    # the loop only looks every log_every steps: until then the step applies no further update
+    cfg = _small(tmp_path, "model.dtype=bfloat16")
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    step = jax.jit(make_train_step(cfg, fns, tx, sched))
+    state, _ = step(init_state(p, r, tx), _batch(cfg, 0, 1))
+    good = jax.tree.map(np.asarray, state)
+    state, m = step(state, _batch(cfg, 1, 1, nan_at=2))
+    assert not bool(m["finite"])
+    state, m = step(state, _batch(cfg, 2, 1))
+    assert bool(m["finite"]) and int(state["nonfinite_step"]) == 1 and int(state["step"]) == 1
+    for k in ("params", "opt", "rest"):
+        for x, y in zip(jax.tree.leaves(good[k]), jax.tree.leaves(state[k])):
+            np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match="grad_accum"):
+        step(state, _batch(cfg, 3, 2))
+
+
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
     cfg1 = _small(tmp_path, "train.grad_accum=1")
     cfg2 = _small(tmp_path, "train.grad_accum=2")
