@@ -8,6 +8,8 @@ Maths: FlashAttention-2 online softmax and its backward (Dao 2023, arXiv 2307.08
 with the FlashAttention-3 layout (Shah et al. 2024, arXiv 2407.08608, sec. 3.1): one TMA
 producer warpgroup, two consumer warpgroups that each own a 64-row tile, a "ping-pong" schedule
 barrier in the forward pass. Softmax runs in base 2: s2 = s * scale * log2(e), lse2 = m2 + log2(l).
+The backward is one fused kernel over key tiles (S, P, dP, dS computed once; dK, dV in
+registers; dQ accumulated in fp32 global memory by TMA reduce-adds, then scaled and cast).
 
 Masking: the wrapper computes, for every 64-row tile, the range of column blocks that can hold
 an unmasked entry [lo, hi) and the sub-range that needs no element mask [mlo, mhi) (causal,
@@ -37,36 +39,40 @@ _M_INIT = -1e30                       # finite running-max start: no inf - inf o
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Tile sizes. Rows per compute warpgroup are 64 (one wgmma M tile); two warpgroups per CTA."""
-    block_q: int = 64        # forward / dq: query rows per warpgroup
+    block_q: int = 64        # forward: query rows per warpgroup
     block_kv: int = 128      # forward: keys per pipeline step
     stages: int = 2          # forward: K/V pipeline depth
-    block_kv_dq: int = 64    # dq kernel: keys per step
-    block_kv_dkv: int = 64   # dkv kernel: key rows per warpgroup
-    block_q_dkv: int = 64    # dkv kernel: query rows per step
-    stages_bwd: int = 2
+    block_kv_bwd: int = 64   # backward: key rows per warpgroup
+    block_q_bwd: int = 64    # backward: query rows per pipeline step
+    stages_bwd: int = 2      # backward: Q/dO pipeline depth
+    dq_cols: int = 64        # backward: dQ columns per wgmma / TMA reduce-add
 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SMEM_BYTES = 220 * 1024    # of the H100/H200's 227 KiB per block, leaving room for barriers
+SMEM_BYTES = 225 * 1024    # of the H100/H200's 227 KiB per block, leaving room for barriers
 
 
 def smem_bytes(Dqk, Dv, cfg: Config):
-    """Shared memory (bytes, 2-byte inputs) of the forward, dq and dkv kernels."""
+    """Shared memory (bytes, 2-byte inputs) of the forward and the fused backward kernel."""
     qo = Dqk if Dv <= Dqk else Dqk + Dv      # O reuses Q's buffer when it fits
     fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
-    dq = (2 * cfg.block_q + cfg.stages_bwd * cfg.block_kv_dq) * (Dqk + Dv) * 2
-    dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
-    return fwd, dq, dkv
+    bwd = ((2 * cfg.block_kv_bwd + cfg.stages_bwd * cfg.block_q_bwd) * (Dqk + Dv) * 2
+           + 2 * cfg.block_kv_bwd * cfg.block_q_bwd * 2      # dS^T of both warpgroups
+           + 2 * cfg.block_q_bwd * cfg.dq_cols * 4)          # fp32 dQ staging per warpgroup
+    return fwd, bwd
 
 
 def default_config(Dqk, Dv) -> Config:
-    """Largest tiles that fit shared memory: 128-key forward steps and 2-deep backward
-    pipelines up to Dqk + Dv = 320 (MLA 192/128); 64-key steps / 1-deep backward for 256/256."""
+    """Largest tiles that fit shared memory: 128-key forward steps and a 2-deep backward
+    pipeline up to Dqk + Dv = 320 (MLA 192/128); for 256/256 64-key forward steps, a 1-deep
+    backward pipeline and 32-column dQ chunks."""
     cfg = Config()
     if smem_bytes(Dqk, Dv, cfg)[0] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, block_kv=64)
-    if max(smem_bytes(Dqk, Dv, cfg)[1:]) > SMEM_BYTES:
+    if smem_bytes(Dqk, Dv, cfg)[1] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, stages_bwd=1)
+    if smem_bytes(Dqk, Dv, cfg)[1] > SMEM_BYTES:
+        cfg = dataclasses.replace(cfg, dq_cols=32)
     return cfg
 
 
@@ -86,7 +92,9 @@ def check_supported(q, k, v, cfg: Config | None = None):
     need = smem_bytes(Dqk, Dv, cfg)
     if max(need) > SMEM_BYTES:
         raise ValueError(f"Dqk={Dqk}, Dv={Dv} with {cfg}: needs {max(need)} bytes of shared memory"
-                         f" (fwd, dq, dkv = {need}); the limit is {SMEM_BYTES}")
+                         f" (fwd, bwd = {need}); the limit is {SMEM_BYTES}")
+    if Dqk % cfg.dq_cols:
+        raise ValueError(f"Dqk={Dqk} is not a multiple of cfg.dq_cols={cfg.dq_cols}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -124,7 +132,7 @@ def _tile_ranges(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q, T, 
         k_lo, k_hi = r * row_block, r * row_block + row_block - 1
         q_lo, q_hi = c * col_block, c * col_block + col_block - 1
         q_real, k_real = q_lo < T, k_lo < S
-        no_pad = jnp.ones_like(k_real)
+        no_pad = k_hi < S        # padded keys must be masked: their dS would reach dQ
     nonempty = q_real & k_real
     full = no_pad
     if causal:
@@ -209,9 +217,11 @@ def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA)
 
 
-def _tiled(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                plgpu.SwizzleTransform(128)))
+def _tiled(shape, dtype, swizzle=128):
+    """SMEM ref in the (8, swizzle bytes) tiled, swizzled layout that TMA and wgmma use."""
+    cols = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def _compiler_params():
@@ -390,181 +400,104 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward: dq kernel (rows = query tiles) and dk/dv kernel (rows = key tiles).
+# Backward: one fused kernel (rows = key tiles; dQ by TMA reduce-adds into fp32 global memory).
 # ----------------------------------------------------------------------------------------------
 
-def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
-                    causal, S, cfg: Config, interpret):
-    """dq [B, Tp, N, Dqk] = scale * sum_s dS[t, s] k[s], dS = P * (dP - dlt) (FA2 Alg. 2)."""
+def _dq_split(Dqk, cfg: Config):
+    """dQ columns per compute warpgroup: ((start, n_chunks) for wg 0, for wg 1), in units of
+    cfg.dq_cols; warpgroup 0 takes the larger half (MLA 192: 128 + 64 columns)."""
+    n = Dqk // cfg.dq_cols
+    n0 = -(-n // 2)
+    return (0, n0), (n0, n - n0)
+
+
+def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_acc, *,
+                     scale, causal, S, cfg: Config, interpret):
+    """Fused FlashAttention backward (FA2 Alg. 2 with FA3's dQ accumulation, arXiv 2407.08608
+    sec. 3.1): per CTA 2 x block_kv_bwd keys of one kv head; each compute warpgroup keeps dK, dV
+    of its 64 keys in registers and streams (Q, dO) tiles of all G query heads of that kv head
+    through a TMA pipeline, computing S, P, dP and dS once per tile:
+
+      dV += P^T dO,   dS = P * (dP - dlt),   dK += dS^T Q,   dQ[t] += dS K   (scale applied later)
+
+    The two warpgroups exchange dS^T through shared memory; each then computes a column slice of
+    the CTA's dQ tile over all 128 keys and adds it to `dq_acc` (fp32 [B, Tp, N, Dqk], a mutable
+    ref, zero on entry) with a TMA reduce-add (compiled) or a plain read-modify-write (GPU
+    interpret mode, which runs CTAs one after another and has no TMA reductions in jax 0.11.2).
+
+    Returns dk [B, Sp, K, Dqk] = scale * sum dS^T q, dv [B, Sp, K, Dv] = sum P^T dO (q.dtype),
+    summed over the G query heads of each kv head inside the kernel; writes dq_acc = dS k.
+    """
     B, Tp, N, Dqk = q.shape
     Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
-    bq, bkv, stages = cfg.block_q, cfg.block_kv_dq, cfg.stages_bwd
+    bkv, bq, stages, dqc = cfg.block_kv_bwd, cfg.block_q_bwd, cfg.stages_bwd, cfg.dq_cols
     dtype = q.dtype
     has_seg = q_seg is not None
     c2 = scale * LOG2E
+    split = _dq_split(Dqk, cfg)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
-               kseg_ref, dq_ref, scoped):
-        b = lax.axis_index("b")
-        h = lax.axis_index("h")
-        qt = lax.axis_index("qt")
-        wg = lax.axis_index("wg")
-        (q_smems, do_smems, k_smems, v_smems, stage_smems), (k_bar, v_bar, q_bar, do_bar), \
-            (k_cons, v_cons) = scoped
-        L = ctab_ref[b, qt, 0]
-        H = ctab_ref[b, qt, 1]
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(232, action="increase")
-            tile = 2 * qt + wg
-            q_base = tile * bq
-            q_smem, do_smem = q_smems.at[wg], do_smems.at[wg]
-            stage = None if stage_smems is None else stage_smems.at[wg]
-            qs = pl.ds(q_base, bq)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smem, q_bar.at[wg])
-            plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smem, do_bar.at[wg])
-            lo, mlo, mhi, hi = (wgb_ref[b, tile, i] for i in range(4))
-            dl = dl_ref[0]
-            lse = plgpu.load(lse_ref.at[b, h, qs], layout=_ROW, optimized=False)
-            dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_ROW, optimized=False)
-            if has_seg:
-                qseg = plgpu.load(qseg_ref.at[b, qs], layout=_ROW, optimized=False)
-            dq = plgpu.layout_cast(jnp.zeros((bq, Dqk), jnp.float32), _WGMMA)
-            plgpu.barrier_wait(q_bar.at[wg])
-            plgpu.barrier_wait(do_bar.at[wg])
-
-            def step(ki, dq, *, masked):
-                slot = lax.rem(ki - L, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                s = _mm(q_smem, k_smems.at[slot].T, (bq, bkv), interpret=interpret)
-                p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
-                if masked:
-                    kv_pos = ki * bkv + _iota((bq, bkv), 1)
-                    ok = kv_pos < S
-                    if causal:
-                        ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
-                    if has_seg:
-                        kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=_COL,
-                                          optimized=False)
-                        ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
-                                   == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
-                    p = jnp.where(ok, p, 0.0)
-                plgpu.barrier_wait(v_bar.at[slot])
-                dp = _mm(do_smem, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
-                plgpu.barrier_arrive(v_cons.at[slot])
-                ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
-                dq = _mm(ds.astype(dtype), k_smems.at[slot], (bq, Dqk), dq, interpret=interpret,
-                         stage=stage, a_in_regs=True)
-                plgpu.barrier_arrive(k_cons.at[slot])
-                return dq
-
-            def skip(ki):
-                slot = lax.rem(ki - L, stages)
-                plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_arrive(v_cons.at[slot])
-                plgpu.barrier_arrive(k_cons.at[slot])
-
-            dq = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, dq)
-            q_smem[...] = (dq * scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, qs, h])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(40, action="decrease")
-            kvh = lax.div(h, jnp.int32(G))
-
-            def load(ki, slot):
-                ks = pl.ds(ki * bkv, bkv)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
-
-            for i in range(stages):
-                @pl.when(L + i < H)
-                def _():
-                    load(L + i, i)
-
-            @pl.loop(L + stages, H)
-            def _(ki):
-                slot = lax.rem(ki - L, stages)
-                ks = pl.ds(ki * bkv, bkv)
-                plgpu.barrier_wait(k_cons.at[slot])
-                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
-                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
-
-            @pl.loop(jnp.maximum(H - stages, L), H)
-            def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
-                slot = lax.rem(ki - L, stages)
-                plgpu.barrier_wait(k_cons.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
-
-    def entry(*refs):
-        stage = plgpu.SMEM((2, bq, bkv), dtype) if interpret else None
-        smems = (_tiled((2, bq, Dqk), dtype), _tiled((2, bq, Dv), dtype),
-                 _tiled((stages, bkv, Dqk), dtype), _tiled((stages, bkv, Dv), dtype), stage)
-        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
-        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
-                      collective_axes="wg")
-
-    seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
-    return plgpu.kernel(
-        entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(N, Tp // (2 * bq), B),
-        grid_names=("h", "qt", "b"), num_threads=3, thread_name="wg",
-        compiler_params=_compiler_params(), interpret=interpret,
-    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
-
-
-def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
-                     causal, cfg: Config, interpret):
-    """dk [B, Sp, K, Dqk] = scale * sum_{g, t} dS^T k-row, dv [B, Sp, K, Dv] = sum P^T dO, summed
-    over the G query heads of each kv head inside the kernel (FA2 Alg. 2, transposed tiles)."""
-    B, Tp, N, Dqk = q.shape
-    Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G = N // K
-    bkv, bq, stages = cfg.block_kv_dkv, cfg.block_q_dkv, cfg.stages_bwd
-    dtype = q.dtype
-    has_seg = q_seg is not None
-    c2 = scale * LOG2E
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
-               kseg_ref, dk_ref, dv_ref, scoped):
+               kseg_ref, dq_ref, dk_ref, dv_ref, scoped):
         b = lax.axis_index("b")
         kvh = lax.axis_index("h")
         kt = lax.axis_index("kt")
         wg = lax.axis_index("wg")
-        (k_smems, v_smems, q_smems, do_smems, stage_smems), (q_bar, do_bar, k_bar, v_bar), \
-            (q_cons, do_cons) = scoped
+        (k_smems, v_smems, q_smems, do_smems, ds_smems, dq_stages, stage_smems), \
+            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons, ds_ready, ds_free) = scoped
         L = ctab_ref[b, kt, 0]
         H = ctab_ref[b, kt, 1]
         n_c = H - L
         n_c1 = jnp.maximum(n_c, 1)
 
-        @pl.when(wg < 2)
-        def _compute():
+        def compute(w):
+            """Compute warpgroup w (a Python int, so its dQ column slice is static)."""
             plgpu.set_max_registers(232, action="increase")
-            tile = 2 * kt + wg
+            tile = 2 * kt + w
             kv_base = tile * bkv
             ks = pl.ds(kv_base, bkv)
-            k_smem, v_smem = k_smems.at[wg], v_smems.at[wg]
-            stage = None if stage_smems is None else stage_smems.at[wg]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smem, k_bar.at[wg])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smem, v_bar.at[wg])
+            k_smem, v_smem, ds_smem = k_smems.at[w], v_smems.at[w], ds_smems.at[w]
+            stage = None if stage_smems is None else stage_smems.at[w]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smem, k_bar.at[w])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smem, v_bar.at[w])
             lo, mlo, mhi, hi = (wgb_ref[b, tile, i] for i in range(4))
             dl = dl_ref[0]
             if has_seg:
                 kseg = plgpu.load(kseg_ref.at[b, ks], layout=_ROW, optimized=False)
             dk = plgpu.layout_cast(jnp.zeros((bkv, Dqk), jnp.float32), _WGMMA)
             dv = plgpu.layout_cast(jnp.zeros((bkv, Dv), jnp.float32), _WGMMA)
-            plgpu.barrier_wait(k_bar.at[wg])
-            plgpu.barrier_wait(v_bar.at[wg])
+            plgpu.barrier_wait(k_bar.at[0])      # dQ reads both warpgroups' K tiles
+            plgpu.barrier_wait(k_bar.at[1])
+            plgpu.barrier_wait(v_bar.at[w])
+            plgpu.barrier_arrive(ds_free)        # dS buffers start free
+
+            def dq_update(h, c):
+                """Wait for both dS^T tiles, add this warpgroup's dQ columns of query tile c."""
+                plgpu.barrier_arrive(ds_ready)
+                plgpu.barrier_wait(ds_ready)
+                qs = pl.ds(c * bq, bq)
+                c_start, n_chunks = split[w]
+                for j in range(n_chunks):
+                    cols = pl.ds((c_start + j) * dqc, dqc)
+
+                    def body(acc_ref):
+                        for i in range(2):
+                            plgpu.wgmma(acc_ref, ds_smems.at[i].T, k_smems.at[i, :, cols])
+                        return acc_ref[...]
+                    part = pl.run_scoped(body, plgpu.ACC((bq, dqc), jnp.float32))
+                    if j == n_chunks - 1:
+                        plgpu.barrier_arrive(ds_free)
+                    if interpret is None:
+                        dq_stage = dq_stages.at[w]
+                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                        dq_stage[...] = part
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(dq_stage, dq_ref.at[b, qs, h, cols],
+                                                reduction_op="add")
+                    else:
+                        dq_ref[b, qs, h, cols] = dq_ref[b, qs, h, cols] + part
+                if n_chunks == 0:
+                    plgpu.barrier_arrive(ds_free)
 
             def head(g, carry):
                 h = kvh * G + g
@@ -578,44 +511,55 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
                     if masked:
-                        ok = None
+                        kv_pos = kv_base + _iota((bkv, bq), 0)
+                        ok = kv_pos < S
                         if causal:
-                            ok = (kv_base + _iota((bkv, bq), 0)) <= (c * bq + _iota((bkv, bq), 1) + dl)
+                            ok = ok & (kv_pos <= c * bq + _iota((bkv, bq), 1) + dl)
                         if has_seg:
                             qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
-                            same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
-                                    == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
-                            ok = same if ok is None else ok & same
-                        if ok is not None:
-                            pT = jnp.where(ok, pT, 0.0)
+                            ok = ok & (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
+                                       == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
+                        pT = jnp.where(ok, pT, 0.0)
                     plgpu.barrier_wait(do_bar.at[slot])
                     dv = _mm(pT.astype(dtype), do_smems.at[slot], (bkv, Dv), dv,
                              interpret=interpret, stage=stage, a_in_regs=True)
                     dpT = _mm(v_smem, do_smems.at[slot].T, (bkv, bq), interpret=interpret)
                     plgpu.barrier_arrive(do_cons.at[slot])
                     dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
-                    dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
-                    dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
-                             interpret=interpret, stage=stage, a_in_regs=True)
+                    dsT = (pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))).astype(dtype)
+                    dk = _mm(dsT, q_smems.at[slot], (bkv, Dqk), dk, interpret=interpret,
+                             stage=stage, a_in_regs=True)
                     plgpu.barrier_arrive(q_cons.at[slot])
+                    plgpu.barrier_wait(ds_free)
+                    ds_smem[...] = dsT
+                    plgpu.commit_smem()
+                    dq_update(h, c)
                     return dk, dv
 
-                def skip(c):
+                def skip(c):   # this warpgroup's keys see none of tile c; the other's may
                     slot = lax.rem(g * n_c + c - L, stages)
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(do_bar.at[slot])
                     plgpu.barrier_arrive(do_cons.at[slot])
                     plgpu.barrier_arrive(q_cons.at[slot])
+                    plgpu.barrier_wait(ds_free)
+                    ds_smem[...] = plgpu.layout_cast(jnp.zeros((bkv, bq), dtype), _WGMMA)
+                    plgpu.commit_smem()
+                    dq_update(h, c)
 
                 return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry)
 
             dk, dv = lax.fori_loop(0, G, head, (dk, dv))
+            plgpu.barrier_wait(ds_free)   # the other warpgroup no longer reads this K tile
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, ks, kvh])
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, ks, kvh])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.when(wg == 0)(lambda: compute(0))
+        pl.when(wg == 1)(lambda: compute(1))
 
         @pl.when(wg == 2)
         def _memory():
@@ -655,13 +599,16 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
 
     def entry(*refs):
         stage = plgpu.SMEM((2, bkv, bq), dtype) if interpret else None
-        smems = (_tiled((2, bkv, Dqk), dtype), _tiled((2, bkv, Dv), dtype),
-                 _tiled((stages, bq, Dqk), dtype), _tiled((stages, bq, Dv), dtype), stage)
+        dq_st = None if interpret else _tiled((2, bq, dqc), jnp.float32)
+        smems = (_tiled((2, bkv, Dqk), dtype, swizzle=min(128, 2 * dqc)),
+                 _tiled((2, bkv, Dv), dtype), _tiled((stages, bq, Dqk), dtype),
+                 _tiled((stages, bq, Dv), dtype), _tiled((2, bkv, bq), dtype), dq_st, stage)
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
-        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
+        syncs = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                 plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, syncs,
                       collective_axes="wg")
 
     seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
@@ -669,13 +616,13 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         entry, out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         grid=(K, Sp // (2 * bkv), B), grid_names=("h", "kt", "b"), num_threads=3,
         thread_name="wg", compiler_params=_compiler_params(), interpret=interpret,
-    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
+    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args, dq_acc)
 
 
 def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, interpret):
     """dq, dk, dv from the forward residuals. dlse (cotangent of the natural lse) enters as
     dS = P * (dP - (rowsum(o * do) - dlse))."""
-    B, T, N, _ = q.shape
+    B, T, N, Dqk = q.shape
     qp, kp, vp, q_seg, kv_seg, delta, T, S, Tp, Sp = _prepare(q, k, v, segs, offsets,
                                                               causal=causal, cfg=cfg)
     dlt = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -685,19 +632,15 @@ def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, 
     lse_b = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)     # fully masked rows: P = 0
     lse_b = _pad_to(lse_b, 2, Tp, value=jnp.inf)              # padded rows: P = 0
     dop = _pad_to(do.astype(q.dtype), 1, Tp)
-    wgb, ctab = _fwd_ranges(B, Tp, Sp, T, S, causal, delta, q_seg, kv_seg, cfg, cfg.block_kv_dq)
-    dq = _dq_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb, ctab, delta, q_seg, kv_seg,
-                         scale=scale, causal=causal, S=S, cfg=cfg, interpret=interpret)
-    if interpret is not None:
-        # GPU interpret mode keeps global simulator state: run the two kernels one after the
-        # other (under jit, XLA:CPU could otherwise run them concurrently and hang).
-        dq, qp = lax.optimization_barrier((dq, qp))
-    wgb2, ctab2 = _tile_ranges(B=B, n_rows_p=Sp, row_block=cfg.block_kv_dkv, n_cols_p=Tp,
-                               col_block=cfg.block_q_dkv, rows_are_q=False, T=T, S=S,
-                               causal=causal, delta=delta[0], q_seg=q_seg, kv_seg=kv_seg)
-    dk, dv = _dkv_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb2, ctab2, delta, q_seg, kv_seg,
-                              scale=scale, causal=causal, cfg=cfg, interpret=interpret)
-    return dq[:, :T], dk[:, :S], dv[:, :S]
+    wgb, ctab = _tile_ranges(B=B, n_rows_p=Sp, row_block=cfg.block_kv_bwd, n_cols_p=Tp,
+                             col_block=cfg.block_q_bwd, rows_are_q=False, T=T, S=S,
+                             causal=causal, delta=delta[0], q_seg=q_seg, kv_seg=kv_seg)
+    dq_acc = jax.new_ref(jnp.zeros((B, Tp, N, Dqk), jnp.float32))
+    dk, dv = _bwd_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb, ctab, delta, q_seg, kv_seg,
+                              dq_acc, scale=scale, causal=causal, S=S, cfg=cfg,
+                              interpret=interpret)
+    dq = (dq_acc[...][:, :T] * scale).astype(q.dtype)
+    return dq, dk[:, :S], dv[:, :S]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -721,7 +664,7 @@ def _prepare(q, k, v, segs, offsets, *, causal, cfg):
     B, T, N, _ = q.shape
     S = k.shape[1]
     tile_t = 2 * cfg.block_q
-    tile_s = max(cfg.block_kv, 2 * cfg.block_kv_dkv, cfg.block_kv_dq)
+    tile_s = max(cfg.block_kv, 2 * cfg.block_kv_bwd)
     Tp, Sp = _round_up(T, tile_t), _round_up(S, tile_s)
     qp, kp, vp = _pad_to(q, 1, Tp), _pad_to(k, 1, Sp), _pad_to(v, 1, Sp)
     delta = (jnp.asarray(offsets[0], jnp.int32) - jnp.asarray(offsets[1], jnp.int32)).reshape(1)
