@@ -36,6 +36,14 @@ SHAPES = {"v2lite": dict(T=16384, K=6, E=64, D=2048, I=1408),
 
 
 REPS = (5, 5)  # (batches, calls per batch); --quick: (1, 1)
+CONFIG_CHOICES = {  # --configs: gmm forward variants timed side by side at the gate/up shape
+    "m-aligned": mosaic_gpu.TileConfig(),  # v3 default: rows split between warpgroups
+    "n-aligned": mosaic_gpu.TileConfig(wg_split="n"),
+    "v1": mosaic_gpu.TileConfig(wg_split="n", aligned=False),  # v1/v2 kernel
+    "m-fixed": mosaic_gpu.TileConfig(aligned=False),
+}
+CONFIGS = []
+SWIGLU_SHAPES = ("v2lite", "tiny")  # --swiglu-shapes: where the fused gate/up+SwiGLU is timed
 ONLY_OURS = False
 
 
@@ -95,6 +103,8 @@ def run_shape(name, s, rows, sweep, tok):
     gemm_flops = 2 * M * D * 2 * I
     layer_flops = 6 * M * D * I
     dy = jax.random.normal(jax.random.key(7), (M, 2 * I), jnp.bfloat16)
+    w_il = jax.jit(mosaic_gpu.interleave_gate_up)(w_gu)  # the fused kernel's weight layout
+    dya = jax.random.normal(jax.random.key(6), (M, I), jnp.bfloat16)
 
     def add(op, impl, pas, sec, flops=None, nbytes=None, note=""):
         r = dict(shape=name, op=op, impl=impl, pass_=pas, ms=sec * 1e3, note=note)
@@ -117,21 +127,34 @@ def run_shape(name, s, rows, sweep, tok):
                              note="FAILED " + msg[:120]))
 
     # --- correctness of our kernels at this shape (fwd, dx, dw vs fp32 reference)
+    def check_swiglu():
+        act = jax.jit(lambda a, b, g: mosaic_gpu.gmm(a, b, g, epilogue="swiglu"))(xs, w_il, gs)
+        gate, up = mosaic_gpu.deinterleave_gate_up(jax.jit(lambda a, b, g: grouped_matmul_reference(
+            a, b, g, preferred_element_type=jnp.float32))(xs, w_il, gs))
+        e_sw = rel(act, jax.nn.silu(gate) * up)
+        del act, gate, up
+        print(f"[{name}] fused gate/up+SwiGLU rel err vs fp32 reference: {e_sw:.2e}", flush=True)
+        rows.append(dict(shape=name, op="check", impl="ours fused swiglu", pass_="-", ms=0.0,
+                         note=f"rel err {e_sw:.1e}"))
+
     def check():
         out = jax.jit(lambda a, b, g: mosaic_gpu.gmm(a, b, g))(xs, w_gu, gs)
         ref = jax.jit(lambda a, b, g: grouped_matmul_reference(
             a, b, g, preferred_element_type=jnp.float32))(xs, w_gu, gs)
         e_fwd = rel(out, ref)
         e_dx = e_dw = float("nan")
-        if name == "v3":  # the fp32 dw reference needs a 30 GB accumulator there; fwd only
-            print(f"[{name}] rel err vs fp32 reference: fwd {e_fwd:.2e}", flush=True)
-            rows.append(dict(shape=name, op="check", impl="ours", pass_="-", ms=0.0,
-                             note=f"rel err fwd {e_fwd:.1e}"))
-            return
+        if name in SWIGLU_SHAPES:
+            check_swiglu()
         dx = jax.jit(lambda a, b, g: mosaic_gpu.gmm(a, b, g, transpose_rhs=True))(dy, w_gu, gs)
         dx_ref = jax.jit(lambda a, b, g: grouped_matmul_reference(
             a, jnp.swapaxes(b, 1, 2), g, preferred_element_type=jnp.float32))(dy, w_gu, gs)
         e_dx = rel(dx, dx_ref)
+        del dx, dx_ref
+        if name == "v3":  # the fp32 dw reference needs a 30 GB accumulator there; fwd, dx only
+            print(f"[{name}] rel err vs fp32 reference: fwd {e_fwd:.2e} dx {e_dx:.2e}", flush=True)
+            rows.append(dict(shape=name, op="check", impl="ours", pass_="-", ms=0.0,
+                             note=f"rel err fwd {e_fwd:.1e} dx {e_dx:.1e}"))
+            return
         dw = jax.jit(lambda a, b, g: mosaic_gpu.tgmm(a, b, g))(xs, dy, gs)
         dw_ref = jax.jit(lambda a, b, g: grouped_matmul_transposed_reference(
             a, b, g, preferred_element_type=jnp.float32))(xs, dy, gs)
@@ -144,6 +167,11 @@ def run_shape(name, s, rows, sweep, tok):
             tk = jax.jit(tok)(xs, w_gu, gs)
             print(f"[{name}] ours vs tokamax fwd rel diff {rel(out, tk):.2e}", flush=True)
     attempt("check", check)
+
+    for label, cfg in CONFIGS:
+        attempt(f"config {label}", lambda cfg=cfg, label=label: add(
+            "gemm", f"ours {label}", "fwd", bench(jax.jit(
+                lambda a, b, g: mosaic_gpu.gmm(a, b, g, config=cfg)), xs, w_gu, gs), gemm_flops))
 
     if sweep:
         best = None
@@ -179,6 +207,21 @@ def run_shape(name, s, rows, sweep, tok):
             add("gemm", iname, "fwd+bwd", bench(jax.jit(step), xs, w_gu, gs, dy), 3 * gemm_flops)
         if iname != "lax.ragged_dot" or "--try-ragged-bwd" in sys.argv:
             attempt(f"gemm fwd+bwd {iname}", fb)
+    fused = lambda a, b, g: api.gate_up_swiglu(a, b, g, impl="pallas")
+    unfused = lambda a, b, g: swiglu(api.grouped_matmul(a, b, g, impl="pallas"))
+    sw_cases = (("ours fused gate/up+SwiGLU", fused, w_il),
+                ("ours gate/up GEMM then XLA SwiGLU", unfused, w_gu))
+    for iname, f, wts in (sw_cases if name in SWIGLU_SHAPES else ()):
+        attempt(f"swiglu fwd {iname}", lambda f=f, iname=iname, wts=wts: add(
+            "gemm+swiglu", iname, "fwd", bench(jax.jit(f), xs, wts, gs), gemm_flops))
+
+        def sfb(f=f, iname=iname, wts=wts):
+            def step(a, b, g, d):
+                out, vjp = jax.vjp(lambda a, b: f(a, b, g), a, b)
+                return out, vjp(d)
+            add("gemm+swiglu", iname, "fwd+bwd", bench(jax.jit(step), xs, wts, gs, dya),
+                3 * gemm_flops)
+        attempt(f"swiglu fwd+bwd {iname}", sfb)
     a_d = jax.random.normal(jax.random.key(3), (M, D), jnp.bfloat16)
     b_d = jax.random.normal(jax.random.key(4), (D, 2 * I), jnp.bfloat16)
     attempt("gemm dense", lambda: add("gemm", "dense XLA", "fwd",
@@ -188,19 +231,25 @@ def run_shape(name, s, rows, sweep, tok):
     def ours_layer(a, wg, wd, g):
         h = api.grouped_matmul(a, wg, g, impl="pallas")
         return api.grouped_matmul(swiglu(h), wd, g, impl="pallas")
+    def ours_fused_layer(a, wg, wd, g):
+        return api.grouped_matmul(api.gate_up_swiglu(a, wg, g, impl="pallas"), wd, g,
+                                  impl="pallas")
     lay = {"ours": ours_layer}
+    if name in SWIGLU_SHAPES:
+        lay["ours fused SwiGLU"] = ours_fused_layer
     if tok is not None:
         lay["tokamax mosaic"] = lambda a, wg, wd, g: tok(swiglu(tok(a, wg, g)), wd, g)
     dyl = jax.random.normal(jax.random.key(8), (M, D), jnp.bfloat16)
     for iname, f in lay.items():  # weights are arguments, never captured constants
-        attempt(f"layer fwd {iname}", lambda f=f, iname=iname: add(
-            "layer", iname, "fwd", bench(jax.jit(f), xs, w_gu, w_dn, gs), layer_flops))
+        wts = w_il if "fused" in iname else w_gu
+        attempt(f"layer fwd {iname}", lambda f=f, iname=iname, wts=wts: add(
+            "layer", iname, "fwd", bench(jax.jit(f), xs, wts, w_dn, gs), layer_flops))
 
-        def lfb(f=f, iname=iname):
+        def lfb(f=f, iname=iname, wts=wts):
             def step(a, wg, wd, g, d):
                 out, vjp = jax.vjp(lambda a, wg, wd: f(a, wg, wd, g), a, wg, wd)
                 return out, vjp(d)  # return out too: XLA drops an unused kernel call
-            add("layer", iname, "fwd+bwd", bench(jax.jit(step), xs, w_gu, w_dn, gs, dyl),
+            add("layer", iname, "fwd+bwd", bench(jax.jit(step), xs, wts, w_dn, gs, dyl),
                 3 * layer_flops)
         attempt(f"layer fwd+bwd {iname}", lfb)
 
@@ -226,7 +275,7 @@ def run_shape(name, s, rows, sweep, tok):
         return out, vjp(d)
     attempt("unpermute fwd+bwd", lambda: add("unpermute", "XLA", "fwd+bwd", bench(jax.jit(unp_fb), ys, perm, p, x),
                                              nbytes=3 * pb, note="bytes: 3x fwd"))
-    del x, ids, p, w_gu, w_dn, xs, dy, a_d, b_d, dyl
+    del x, ids, p, w_gu, w_dn, xs, dy, a_d, b_d, dyl, w_il, dya
 
 
 def run_permute(name, s, rows):
@@ -285,12 +334,22 @@ def run_permute(name, s, rows):
          dispatch.scatter_rows, (x, dest)),
         ("permute rows (perm given)", "XLA gather", "fwd", pb,
          lambda x, pr: jnp.take(x, pr // K, axis=0), (x, perm)),
-        ("routing sort", "counting sort", "fwd", None,
+        ("routing sort", "counting sort, compare (v3)", "fwd", None,
          lambda i: dispatch.counting_sort_by_expert(i, E)[1:], (ids,)),
+        ("routing sort", "counting sort, compare, S=128", "fwd", None,
+         lambda i: dispatch.counting_sort_by_expert(i, E, block=128)[1:], (ids,)),
+        ("routing sort", "counting sort, one-hot matmul (v2)", "fwd", None,
+         lambda i: dispatch.counting_sort_by_expert(i, E, method="matmul")[1:], (ids,)),
         ("routing sort", "stable argsort + bincount", "fwd", None,
          lambda i: api.sort_by_expert(i, E), (ids,)),
         ("permute bwd (dest given)", "XLA K-row gather + fp32 sum", "bwd", pb,
          dispatch.gather_back, (g, dest)),
+        ("permute bwd (dest given)", "XLA take [T,K] index + fp32 sum", "bwd", pb,
+         lambda g, d: jnp.take(g, d, axis=0).astype(jnp.float32).sum(1).astype(g.dtype),
+         (g, dest)),
+        ("permute bwd (dest given)", "XLA K gathers, unrolled fp32 adds", "bwd", pb,
+         lambda g, d: sum(jnp.take(g, d[:, j], axis=0).astype(jnp.float32)
+                          for j in range(K)).astype(g.dtype), (g, dest)),
         ("permute bwd (perm given)", "reference: inverse perm + gather + sum", "bwd", pb,
          lambda g, pr: api._gather_rows_bwd(K, pr, g)[0], (g, perm)),
         ("permute", "pallas", "fwd+bwd", 2 * pb,
@@ -298,6 +357,12 @@ def run_permute(name, s, rows):
         ("permute", "reference", "fwd+bwd", 2 * pb,
          lambda x, i, g: both("reference")(x, i, g), (x, ids, g)),
     ]
+    r0 = dispatch.rows_per_cta(T, D, x.dtype)
+    for r in sorted({1, 2, 4, 8, r0}):
+        if r * D * 2 <= 64 * 1024:
+            cases.append(("permute rows (dest given)", f"row-scatter kernel R={r}"
+                          + (" (default)" if r == r0 else ""), "fwd", pb,
+                          lambda x, d, r=r: dispatch.scatter_rows(x, d, rows=r), (x, dest)))
     for op, impl, pas, nbytes, f, args in cases:
         try:
             add(op, impl, pas, bench(jax.jit(f), *args), nbytes)
@@ -314,7 +379,14 @@ def main():
     ap.add_argument("--quick", action="store_true", help="one timed call (smoke test)")
     ap.add_argument("--only-ours", action="store_true", help="skip the peers and permute")
     ap.add_argument("--permute-only", action="store_true", help="only the permute section")
+    ap.add_argument("--permute", action="store_true", help="also run the permute section first")
+    ap.add_argument("--swiglu-shapes", default="v2lite,tiny")
+    ap.add_argument("--configs", default="", help="comma list of " + ",".join(CONFIG_CHOICES))
     args = ap.parse_args()
+    global CONFIGS
+    CONFIGS = [(c, CONFIG_CHOICES[c]) for c in args.configs.split(",") if c]
+    global SWIGLU_SHAPES
+    SWIGLU_SHAPES = tuple(args.swiglu_shapes.split(","))
     if args.quick:
         global REPS
         REPS = (1, 1)
@@ -323,11 +395,16 @@ def main():
     ONLY_OURS = args.only_ours
     tok = None if (args.only_ours or args.permute_only) else tokamax_ragged_dot()
     rows = []
-    for name in args.shapes.split(","):
-        try:
-            if args.permute_only:
+    if args.permute_only or args.permute:  # cheap: all shapes first
+        for name in args.shapes.split(","):
+            try:
                 run_permute(name, SHAPES[name], rows)
-                continue
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    for name in args.shapes.split(","):
+        if args.permute_only:
+            continue
+        try:
             run_shape(name, SHAPES[name], rows, args.sweep and name == "v2lite", tok)
         except Exception:  # noqa: BLE001
             traceback.print_exc()

@@ -1,4 +1,4 @@
 """Dropless MoE dispatch: permute -> grouped GEMM -> weighted combine."""
-from pallas_kernels.moe.api import grouped_matmul, permute, unpermute
+from pallas_kernels.moe.api import gate_up_swiglu, grouped_matmul, permute, unpermute
 
-__all__ = ["permute", "grouped_matmul", "unpermute"]
+__all__ = ["permute", "grouped_matmul", "gate_up_swiglu", "unpermute"]

@@ -14,6 +14,10 @@ each token row once and writes its K copies. Its gradient is a K-row gather + fp
 token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend; gradients
 are inverse gathers (no scatter-add).
 
+gate_up_swiglu: the expert gate/up projection with SwiGLU fused into the Mosaic GPU kernel's
+epilogue (weights gate/up interleaved in 128-column blocks); its backward is an XLA SwiGLU
+derivative + the dx / dw grouped GEMMs.
+
 Gradients (standard matmul calculus): for y = x @ w[g], dx = dy @ w[g]^T (a grouped GEMM with
 transposed weights) and dw[g] = x[rows g]^T @ dy[rows g] (a grouped GEMM whose contraction is
 the ragged dimension). For out[t] = sum_k p[t,k] y[slot(t,k)]: dy[slot] = p[t,k] dout[t] and
@@ -191,6 +195,70 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
     backend = _resolve(impl, x, w)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     return _gmm(x, w, group_sizes.astype(jnp.int32), out_dtype, backend)
+
+
+# ----------------------------------------------------------------------------- fused gate/up + SwiGLU
+
+def _swiglu_from_h(h, out_dtype):
+    """h [M, 2I] gate/up interleaved (`interleave_gate_up`) -> silu(gate) * up (fp32 math)."""
+    g, u = mosaic_gpu.deinterleave_gate_up(h.astype(jnp.float32))
+    return (jax.nn.silu(g) * u).astype(out_dtype)
+
+
+def _swiglu_forward(x, w, gs, backend, return_h):
+    if backend == "pallas":
+        return mosaic_gpu.gmm(x, w, gs, epilogue="swiglu", return_h=return_h)
+    h = grouped_matmul_reference(x, w, gs, preferred_element_type=jnp.float32)
+    act = _swiglu_from_h(h, x.dtype)
+    return (act, h.astype(x.dtype)) if return_h else act
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _gate_up_swiglu(x, w, gs, backend):
+    return _swiglu_forward(x, w, gs, backend, False)
+
+
+def _gate_up_swiglu_fwd(x, w, gs, backend):
+    act, h = _swiglu_forward(x, w, gs, backend, True)
+    return act, (x, w, gs, h)
+
+
+def _gate_up_swiglu_bwd(backend, res, da):
+    x, w, gs, h = res
+    g, u = mosaic_gpu.deinterleave_gate_up(h.astype(jnp.float32))
+    sg = jax.nn.sigmoid(g)
+    da = da.astype(jnp.float32)
+    dg = da * u * sg * (1.0 + g * (1.0 - sg))  # d silu(g) / dg = s(g) (1 + g (1 - s(g)))
+    du = da * g * sg
+    dh = mosaic_gpu.interleave_gate_up(jnp.concatenate([dg, du], axis=-1)).astype(x.dtype)
+    dx = _gmm_backend(backend, dh, w, gs, x.dtype, transpose_rhs=True)
+    dw = _tgmm_backend(backend, x, dh, gs, w.dtype)
+    return dx, dw, None
+
+
+_gate_up_swiglu.defvjp(_gate_up_swiglu_fwd, _gate_up_swiglu_bwd)
+
+
+def gate_up_swiglu(x, w_gate_up, group_sizes, *, impl="auto"):
+    """Fused expert gate/up projection and SwiGLU: silu(x @ Wg[g]) * (x @ Wu[g]) per row.
+
+    Args:
+      x: [M, D] rows sorted by group; w_gate_up: [E, D, 2I] with gate and up columns
+        interleaved in blocks of 128 (`mosaic_gpu.interleave_gate_up` of [Wg | Wu]);
+        group_sizes: [E] int, sum <= M (rows past the sum give zeros).
+    Returns:
+      [M, I] in x.dtype. "pallas": one Mosaic GPU kernel computes both halves of a CTA tile
+      and applies SwiGLU to the fp32 accumulators (the [M, 2I] pre-activation is written only
+      under differentiation, as the backward's residual); "reference": jnp, fp32.
+      Differentiable in x and w_gate_up (the SwiGLU backward is XLA; dx/dw grouped GEMMs).
+    Raises:
+      ValueError: unknown impl, 2I not a multiple of 256 (any impl), or impl="pallas" with
+      shapes the kernels cannot take (D a multiple of 128, M >= 128, bf16/f16).
+    """
+    if w_gate_up.shape[-1] % 256:
+        raise ValueError(f"gate|up width {w_gate_up.shape[-1]} is not a multiple of 256")
+    backend = _resolve(impl, x, w_gate_up)
+    return _gate_up_swiglu(x, w_gate_up, group_sizes.astype(jnp.int32), backend)
 
 
 # ----------------------------------------------------------------------------- unpermute

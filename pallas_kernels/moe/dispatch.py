@@ -5,13 +5,14 @@ B = cdiv(M, S) sort blocks, R tokens per CTA of the row kernel.
 
 Counting sort (`counting_sort_by_expert`): gives exactly the `perm` of the stable argsort of
 the flat expert ids (ties kept in slot order), plus `dest` = its inverse (sorted row of each
-slot). With one-hot ids oh [B, S, E]:
-  dest[i] = start[e_i] + block_prefix[b_i, e_i] + within[i, e_i]
+slot):
+  dest[i] = start[e_i] + block_prefix[b_i, e_i] + rank_i
 where start is the exclusive prefix sum of the expert counts, block_prefix the exclusive
-prefix sum over blocks of the per-block counts, and within = L @ oh[b] with L the strictly
-lower-triangular [S, S] ones matrix (the number of earlier rows of the block with the same
-expert). The matmul has 0/1 bf16 operands and fp32 accumulation, so counts <= S are exact.
-perm is dest scattered: perm[dest[i]] = i.
+prefix sum over blocks of the per-block counts [B, E], and rank_i the number of earlier rows
+of i's block with the same expert. v3 ("compare") gets rank and the block counts from two
+fused compare-and-sum reductions ([B, S, S] and [B, S, E] booleans, never materialised);
+v2 ("matmul") from a one-hot [B, S, E] bf16 times the strictly lower-triangular [S, S] ones
+matrix (0/1 operands, fp32 accumulation: exact). perm is dest scattered: perm[dest[i]] = i.
 
 Row kernel (`scatter_rows`): out[dest[t, k]] = x[t]. Each CTA copies R consecutive token rows
 GMEM -> SMEM with one bulk copy (cp.async.bulk, contiguous, no tensor map), then issues
@@ -37,32 +38,49 @@ SORT_BLOCK = 256
 ROW_KERNEL_SMEM = 16 * 1024  # target SMEM bytes per CTA of the row kernel
 
 
-def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK):
+def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="compare"):
     """Stable counting sort of routed slots by expert.
 
     Args:
       topk_ids: [T, K] int in [0, num_experts).
+      block: S, rows per sort block (the rank-within-block work is M * S compares).
+      method: "compare" (v3: rank within a block = number of earlier rows of the block with
+        the same expert, one fused compare-and-sum over [B, S, S]; block counts = a fused
+        compare-and-sum over [B, S, E]) or "matmul" (v2: one-hot [B, S, E] bf16 times a
+        strictly-lower-triangular [S, S] ones matrix, fp32 accumulation). Same result.
     Returns:
       group_sizes [E] int32, perm [M] int32 (== argsort(flat ids, stable=True)),
       dest [T, K] int32 (dest.reshape(-1)[perm[i]] == i).
+    Raises:
+      ValueError: unknown method.
     """
+    if method not in ("compare", "matmul"):
+        raise ValueError(f"method={method!r}: expected 'compare' or 'matmul'")
     t, k = topk_ids.shape
     m, e = t * k, num_experts
     flat = topk_ids.reshape(-1).astype(jnp.int32)
     s = min(block, max(8, pl.next_power_of_2(m)))
     nb = pl.cdiv(m, s)
-    padded = jnp.pad(flat, (0, nb * s - m), constant_values=e)  # id e: one-hot row of zeros
-    oh = jax.nn.one_hot(padded.reshape(nb, s), e, dtype=jnp.bfloat16)  # [B, S, E]
-    tril = jnp.tril(jnp.ones((s, s), jnp.bfloat16), -1)
-    within = jnp.einsum("ij,bje->bie", tril, oh,
-                        preferred_element_type=jnp.float32).astype(jnp.int32)
-    counts = jnp.sum(oh, axis=1, dtype=jnp.int32)  # [B, E]
+    padded = jnp.pad(flat, (0, nb * s - m), constant_values=e).reshape(nb, s)  # pad id e
+    if method == "compare":
+        earlier = jnp.tril(jnp.ones((s, s), jnp.bool_), -1)  # [i, j]: j < i
+        rank = jnp.sum((padded[:, :, None] == padded[:, None, :]) & earlier, axis=2,
+                       dtype=jnp.int32)  # [B, S]
+        counts = jnp.sum(padded[:, :, None] == jnp.arange(e, dtype=jnp.int32), axis=1,
+                         dtype=jnp.int32)  # [B, E]
+    else:
+        oh = jax.nn.one_hot(padded, e, dtype=jnp.bfloat16)  # [B, S, E]; id e: zero row
+        tril = jnp.tril(jnp.ones((s, s), jnp.bfloat16), -1)
+        within = jnp.einsum("ij,bje->bie", tril, oh,
+                            preferred_element_type=jnp.float32).astype(jnp.int32)
+        counts = jnp.sum(oh, axis=1, dtype=jnp.int32)
+        ids = jnp.minimum(padded, e - 1)
+        rank = jnp.take_along_axis(within, ids[..., None], axis=2)[..., 0]
     block_prefix = jnp.cumsum(counts, axis=0) - counts
     group_sizes = jnp.sum(counts, axis=0).astype(jnp.int32)
     start = jnp.cumsum(group_sizes) - group_sizes
     base = block_prefix + start[None, :]  # [B, E]
-    ids = jnp.minimum(padded.reshape(nb, s), e - 1)
-    rank = jnp.take_along_axis(within, ids[..., None], axis=2)[..., 0]  # [B, S]
+    ids = jnp.minimum(padded, e - 1)
     dest = (rank + jnp.take_along_axis(base, ids, axis=1)).reshape(-1)[:m].astype(jnp.int32)
     perm = jnp.zeros((m,), jnp.int32).at[dest].set(
         jnp.arange(m, dtype=jnp.int32), unique_indices=True, indices_are_sorted=False)
@@ -127,7 +145,7 @@ def scatter_rows(x, dest, *, rows=None):
                 for j in range(k):
                     row = dest_ref[start + i, j]
                     plgpu.copy_smem_to_gmem(buf.at[pl.ds(i, 1)], o_ref.at[pl.ds(row, 1)])
-        plgpu.wait_smem_to_gmem(0)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM reads done; writes land
 
     call = plgpu.kernel(
         kernel,

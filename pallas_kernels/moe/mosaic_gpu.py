@@ -4,14 +4,22 @@ Legend: M routed rows (sorted by expert), E experts, Kc contraction width, N out
 tm/tn/tk tile sizes (rows, columns per compute warpgroup, contraction step), wg warpgroup.
 
 Two kernels, both persistent (one CTA per SM looping over work items) and warp-specialized
-(two compute warpgroups that each own tn output columns, one TMA producer warpgroup):
+(two compute warpgroups, one TMA producer warpgroup):
 
 * `gmm`:  out[M, N] = x[M, Kc] @ w[g(row)] (`transpose_rhs`: @ w[g]^T). Work items are
-  (row tile, column tile) pairs; a row tile is a tm-row block of x that overlaps one group,
-  so a block straddling a group boundary is visited once per group and each visit stores
-  only its group's rows (a TMA store per set bit of the row count). The (group, block,
-  first row, end row) table of row tiles is computed outside the kernel with jnp, so the
-  kernel's size does not grow with E. Rows past sum(group_sizes) are written as zeros.
+  (row tile, column tile) pairs; a row tile is tm rows of x holding rows of one group, from a
+  (group, first row, lo, hi) table computed outside the kernel with jnp (the kernel's size
+  does not grow with E). v3 default (TileConfig wg_split="m", aligned=True): a group's row
+  tiles start at its 8-aligned first row (cdiv(s + 7, tm) tiles for s rows, where the fixed
+  tm grid of v1 visits every boundary block once per group), and each compute warpgroup owns
+  tm/2 rows x all 2*tn columns, skipping its wgmma when its rows hold none of the group
+  (64-row compute granularity at group ends). v1 (wg_split="n", aligned=False): each
+  warpgroup owns tn columns of all tm rows, tiles on the fixed grid. Only the group's rows
+  are stored (a TMA store per set bit of the row count). Rows past sum(group_sizes) are
+  written as zeros. epilogue="swiglu": weight columns come gate/up interleaved in blocks of
+  128 (`interleave_gate_up`), so each warpgroup's 256-column accumulator holds matching gate
+  and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
+  the backward, optionally the pre-activation h [M, N].
 * `tgmm`: dw[E, Kx, N] = per group x[rows]^T @ dy[rows] (the ragged dimension is the
   contraction). Work items are (group, Kx tile, N tile); the pipeline walks the group's
   rows in tk-row steps from the 8-aligned row at or below the group's first row (TMA into
@@ -19,7 +27,8 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   Empty groups give zeros.
 
 Maths: grouped GEMM of MegaBlocks (arXiv 2211.15841, sec. 5); dx = dy @ w^T and
-dw = x^T @ dy per expert are the standard matmul derivatives. wgmma/TMA usage follows the
+dw = x^T @ dy per expert are the standard matmul derivatives; SwiGLU(x) = silu(x Wg) * (x Wu)
+(Shazeer 2020, arXiv 2002.05202, eq. 6). wgmma/TMA usage follows the
 Pallas Mosaic GPU reference (jax docs/pallas/gpu/reference.md).
 """
 from __future__ import annotations
@@ -39,12 +48,22 @@ SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """Tile sizes. tile_n is per compute warpgroup; a CTA covers 2 * tile_n columns."""
+    """Tile sizes and work split of the grouped GEMM kernels.
+
+    A CTA tile is tile_m rows x 2*tile_n columns. wg_split "n": each of the two compute
+    warpgroups owns tile_n columns and all tile_m rows (v1). wg_split "m" (gmm only): each
+    owns tile_m/2 rows and all 2*tile_n columns, and a warpgroup whose rows hold none of the
+    work item's group skips its wgmma (64-row compute granularity at group boundaries).
+    aligned: row tiles start at each group's 8-aligned first row (gmm only) instead of on a
+    fixed tile_m grid, so a group of s rows needs cdiv(s + 7, tile_m) tiles.
+    """
     tile_m: int = 128
     tile_n: int = 128
     tile_k: int = 64
     max_concurrent_steps: int = 4
     memory_registers: int = 40
+    wg_split: str = "m"
+    aligned: bool = True
 
 
 DEFAULT_CONFIG = TileConfig()
@@ -96,12 +115,16 @@ def check_dtypes(*arrays):
                          f"{[str(a.dtype) for a in arrays]}")
 
 
-def row_tile_table(group_sizes, m, tile_m):
-    """Work table of the forward kernel: int32 [4, cdiv(m, tile_m) + E].
+def row_tile_table(group_sizes, m, tile_m, aligned=True):
+    """Work table of the forward kernel: int32 [4, num_columns].
 
-    Column t describes row tile t: (group, block, lo, hi) meaning rows
-    [block*tile_m + lo, block*tile_m + hi) of x belong to `group`. Group E stands for rows
-    past sum(group_sizes) (written as zeros). Unused columns have lo == hi == 0.
+    Column t describes row tile t: (group, row0, lo, hi) meaning rows [row0 + lo, row0 + hi)
+    of x belong to `group` (0 <= lo < hi <= tile_m, row0 a multiple of 8 with
+    row0 + tile_m <= m). Group E stands for rows past sum(group_sizes) (written as zeros).
+    Unused columns have lo == hi == 0. aligned=False: tiles on the fixed grid row0 =
+    block * tile_m (a boundary block is visited once per group it holds); aligned=True
+    (needs m % 8 == 0 and m >= tile_m): each group's tiles start at its 8-aligned first row,
+    and a tile that would run past m is shifted back to end at m.
     """
     e = group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
@@ -110,20 +133,27 @@ def row_tile_table(group_sizes, m, tile_m):
     starts = jnp.concatenate([ends - gs, total[None]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     sizes = ends - starts
-    first = starts // tile_m
-    last = (ends - 1) // tile_m
-    ntiles = jnp.where(sizes > 0, last - first + 1, 0)
+    if aligned:
+        base = starts // 8 * 8
+        ntiles = jnp.where(sizes > 0, (ends - base + tile_m - 1) // tile_m, 0)
+        num = -(-(m + 7 * (e + 1)) // tile_m) + e + 1
+    else:
+        base = starts // tile_m * tile_m
+        ntiles = jnp.where(sizes > 0, (ends - 1) // tile_m - starts // tile_m + 1, 0)
+        num = -(-m // tile_m) + e
     tile_end = jnp.cumsum(ntiles)
     tile_start = tile_end - ntiles
-    num = -(-m // tile_m) + e
     t = jnp.arange(num, dtype=jnp.int32)
     g = jnp.minimum(jnp.searchsorted(tile_end, t, side="right"), e).astype(jnp.int32)
     valid = t < tile_end[-1]
-    blk = first[g] + t - tile_start[g]
-    lo = jnp.maximum(starts[g], blk * tile_m) - blk * tile_m
-    hi = jnp.minimum(ends[g], blk * tile_m + tile_m) - blk * tile_m
+    row0 = base[g] + (t - tile_start[g]) * tile_m
+    lo = jnp.maximum(starts[g] - row0, 0)
+    hi = jnp.minimum(ends[g] - row0, tile_m)
+    if aligned:
+        shift = jnp.maximum(row0 + tile_m - m, 0)
+        row0, lo, hi = row0 - shift, lo + shift, hi + shift
     zero = jnp.zeros_like(t)
-    return jnp.stack([g, jnp.where(valid, blk, zero), jnp.where(valid, lo, zero),
+    return jnp.stack([g, jnp.where(valid, row0, zero), jnp.where(valid, lo, zero),
                       jnp.where(valid, hi, zero)]).astype(jnp.int32)
 
 
@@ -152,17 +182,50 @@ def _store_rows(src_smem, dst_gmem, lo, hi, tile_m):
             p //= 2
 
 
-def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
+def interleave_gate_up(w, block=128):
+    """[..., 2I] gate|up columns -> [..., 2I] with gate and up blocks of `block` alternating.
+
+    Column layout of the result: for j < I/block, columns [2j*block, (2j+1)*block) are gate
+    columns [j*block, (j+1)*block) and the next `block` are the matching up columns. This is the
+    weight layout `gmm(..., epilogue="swiglu")` takes (each CTA tile then holds both halves).
+    Raises ValueError when I is not a multiple of block.
+    """
+    n = w.shape[-1]
+    if n % (2 * block):
+        raise ValueError(f"gate|up width {n} must be a multiple of {2 * block}")
+    i = n // 2
+    g = w[..., :i].reshape(*w.shape[:-1], i // block, 1, block)
+    u = w[..., i:].reshape(*w.shape[:-1], i // block, 1, block)
+    return jnp.concatenate([g, u], axis=-2).reshape(w.shape)
+
+
+def deinterleave_gate_up(h, block=128):
+    """Inverse of `interleave_gate_up`: [..., 2I] interleaved -> (gate [..., I], up [..., I])."""
+    n = h.shape[-1]
+    i = n // 2
+    hb = h.reshape(*h.shape[:-1], i // block, 2, block)
+    return hb[..., 0, :].reshape(*h.shape[:-1], i), hb[..., 1, :].reshape(*h.shape[:-1], i)
+
+
+def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, epilogue=None,
+        return_h=False):
     """Grouped GEMM: out[i] = x[i] @ w[g(i)] (or @ w[g(i)]^T when transpose_rhs).
 
     Args:
       x: [M, Kc] bf16/f16, rows sorted by group; w: [E, Kc, N] ([E, N, Kc] if transpose_rhs),
         same dtype; group_sizes: [E] int, sum <= M.
       out_dtype: output dtype (default x.dtype); accumulation is fp32.
+      config: TileConfig (default DEFAULT_CONFIG).
+      epilogue: None, or "swiglu": w's columns are gate/up interleaved in blocks of 128
+        (`interleave_gate_up`) and the output is silu(gate) * up computed from the fp32
+        accumulators, [M, N/2] (needs wg_split "m", no transpose_rhs).
+      return_h: with epilogue="swiglu", also return the pre-activation h = x @ w [M, N]
+        (interleaved layout, out_dtype) for the backward pass.
     Returns:
-      [M, N]; rows past sum(group_sizes) are zero.
+      [M, N] ([M, N/2] for swiglu; (act, h) when return_h); rows past sum(group_sizes) are 0.
     Raises:
-      ValueError: dtype not bf16/f16, Kc not a multiple of tile_k, N not a multiple of 128.
+      ValueError: dtype not bf16/f16, Kc not a multiple of tile_k, N not a multiple of 128
+        (256 for swiglu), M < tile_m, or a bad config/epilogue.
     """
     config = config or DEFAULT_CONFIG
     check_dtypes(x, w)
@@ -174,27 +237,51 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
         raise ValueError(f"contraction mismatch: x {x.shape}, w {w.shape}, {transpose_rhs=}")
     if group_sizes.shape != (e,):
         raise ValueError(f"group_sizes shape {group_sizes.shape} != ({e},)")
+    if config.wg_split not in ("m", "n"):
+        raise ValueError(f"wg_split={config.wg_split!r}: expected 'm' or 'n'")
+    if epilogue not in (None, "swiglu"):
+        raise ValueError(f"epilogue={epilogue!r}: expected None or 'swiglu'")
+    swiglu = epilogue == "swiglu"
+    if swiglu and (transpose_rhs or config.wg_split != "m" or n % 256):
+        raise ValueError("epilogue='swiglu' needs wg_split 'm', no transpose_rhs and N % 256 == 0")
+    if return_h and not swiglu:
+        raise ValueError("return_h needs epilogue='swiglu'")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     tm, tk = config.tile_m, config.tile_k
-    tn = min(config.tile_n, pick_tile_n(n))
-    if 2 * tm * tn * out_dtype.itemsize > 64 * 1024:  # fp32 outputs: halve the column tile
-        tn = 64
+    split_m = config.wg_split == "m"
+    tn = 128 if swiglu else min(config.tile_n, pick_tile_n(n))
+    wm = tm // 2 if split_m else tm  # rows per compute warpgroup
+
+    def wg_cols(tn):
+        return 2 * tn if split_m else tn
+    while 2 * wm * wg_cols(tn) * out_dtype.itemsize > 64 * 1024:  # output staging <= 64 KiB
+        if swiglu:
+            raise ValueError(f"epilogue='swiglu' needs a 2-byte out_dtype, got {out_dtype}")
+        tn //= 2
+    wn = wg_cols(tn)
     if kc % tk:
         raise ValueError(f"contraction width {kc} must be a multiple of tile_k={tk}")
     if m < tm:
         raise ValueError(f"Mosaic GPU grouped GEMM needs at least tile_m={tm} rows, got {m}")
+    if split_m and tm % 128:
+        raise ValueError(f"wg_split 'm' needs tile_m a multiple of 128, got {tm}")
+    m_pad = -m % 8 if config.aligned else 0
+    if m_pad:  # aligned tiles need 8-aligned row offsets up to m - tile_m
+        x = jnp.pad(x, ((0, m_pad), (0, 0)))
+    mp = m + m_pad
     cta_n = 2 * tn
     grid_n = n // cta_n
     k_steps = kc // tk
-    table = row_tile_table(group_sizes, m, tm)
+    table = row_tile_table(group_sizes, mp, tm, aligned=config.aligned)
     num_tiles = table.shape[1]
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
     b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype)
-    out_bytes = 2 * tm * tn * out_dtype.itemsize
+    out_bytes = 2 * wm * wn * out_dtype.itemsize
     stages = _stages((tm * tk + tk * cta_n) * itemsize, out_bytes, config.max_concurrent_steps)
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
+    half = wn // 2  # swiglu: gate and up columns per warpgroup
 
     def make_pipeline(body, context):
         return plgpu.emit_pipeline_warp_specialized(
@@ -211,16 +298,19 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
             compute_context=context,
         )
 
-    def kernel(table_ref, x_ref, w_ref, o_ref):
+    def kernel(table_ref, x_ref, w_ref, *refs):
+        o_ref = refs[0]
+        h_ref = refs[1] if return_h else None
         ignore = lambda *_, **__: None
         w_view0 = (w_ref.at[0, pl.ds(0, cta_n), :] if transpose_rhs
                    else w_ref.at[0, :, pl.ds(0, cta_n)])
+        out_shape = (2, 2, wm, half) if swiglu else (2, wm, wn)
 
         @functools.partial(
             pl.run_scoped,
             allocs=make_pipeline(ignore, ignore).get_allocations(
                 x_ref.at[pl.ds(0, tm), :], w_view0),
-            out_smem=plgpu.SMEM((2, tm, tn), out_dtype),
+            out_smem=plgpu.SMEM(out_shape, out_dtype),
             collective_axes="wg",
         )
         def _scope(allocs, out_smem):
@@ -232,37 +322,66 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
                 t = idx // grid_n
                 ni = idx % grid_n
                 g = table_ref[0, t]
-                blk = table_ref[1, t]
+                row0 = pl.multiple_of(table_ref[1, t], 8)
                 lo = table_ref[2, t]
                 hi = table_ref[3, t]
                 real = g < e  # group e = rows past sum(group_sizes): store zeros
                 gw = jnp.minimum(g, e - 1)
-                row0 = blk * tm
+                if split_m:  # this warpgroup's rows [wlo, whi) of its wm-row half
+                    wlo = jnp.clip(lo - wg * wm, 0, wm)
+                    whi = jnp.clip(hi - wg * wm, 0, wm)
+                    r0 = row0 + wg * wm
+                    c0 = ni * cta_n
+                else:
+                    wlo, whi, r0, c0 = lo, hi, row0, ni * cta_n + wg * tn
+                active = real & (whi > wlo)
 
                 @pl.when(hi > lo)
                 def _():
                     def mma(_, a_smem, b_smem, acc_ref):
-                        @pl.when(real)
+                        @pl.when(active)
                         def _():
-                            if transpose_rhs:
-                                b = b_smem.at[pl.ds(wg * tn, tn), :].transpose((1, 0))
+                            if split_m:
+                                a = a_smem.at[pl.ds(pl.multiple_of(wg * wm, wm), wm)]
+                                b = b_smem.transpose((1, 0)) if transpose_rhs else b_smem
                             else:
-                                b = b_smem.at[:, pl.ds(wg * tn, tn)]
-                            plgpu.wgmma(acc_ref, a_smem, b)
+                                a = a_smem
+                                b = (b_smem.at[pl.ds(wg * tn, tn), :].transpose((1, 0))
+                                     if transpose_rhs else b_smem.at[:, pl.ds(wg * tn, tn)])
+                            plgpu.wgmma(acc_ref, a, b)
                             plgpu.wgmma_wait(0)
                         return acc_ref
 
                     def context(run):
-                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((tm, tn), jnp.float32))
+                        @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
                         def _acc(acc_ref):
                             run(acc_ref)
                             plgpu.wgmma_wait(0)
                             acc = acc_ref[...]
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                            out_smem[wg] = acc.astype(out_dtype)
+                            rows = pl.ds(r0, wm)
+                            if not swiglu:
+                                out_smem[wg] = acc.astype(out_dtype)
+                                plgpu.commit_smem()
+                                _store_rows(out_smem.at[wg], o_ref.at[rows, pl.ds(c0, wn)],
+                                            wlo, whi, wm)
+                                return
+                            gate = acc[:, :half]
+                            up = acc[:, half:]
+                            if return_h:
+                                out_smem[wg, 0] = gate.astype(out_dtype)
+                                out_smem[wg, 1] = up.astype(out_dtype)
+                                plgpu.commit_smem()
+                                for j in range(2):
+                                    _store_rows(out_smem.at[wg, j],
+                                                h_ref.at[rows, pl.ds(c0 + j * half, half)],
+                                                wlo, whi, wm)
+                                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+                            act = gate * jax.nn.sigmoid(gate) * up
+                            out_smem[wg, 0] = act.astype(out_dtype)
                             plgpu.commit_smem()
-                            dst = o_ref.at[pl.ds(row0, tm), pl.ds(ni * cta_n + wg * tn, tn)]
-                            _store_rows(out_smem.at[wg], dst, lo, hi, tm)
+                            _store_rows(out_smem.at[wg, 0],
+                                        o_ref.at[rows, pl.ds(ni * half, half)], wlo, whi, wm)
 
                     w_view = (w_ref.at[gw, pl.ds(ni * cta_n, cta_n), :] if transpose_rhs
                               else w_ref.at[gw, :, pl.ds(ni * cta_n, cta_n)])
@@ -271,9 +390,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    out_n = n // 2 if swiglu else n
+    out_type = [jax.ShapeDtypeStruct((mp, out_n), out_dtype)]
+    if return_h:
+        out_type.append(jax.ShapeDtypeStruct((mp, n), out_dtype))
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_type=tuple(out_type),
         grid=(_num_sms(),),
         grid_names=("sm",),
         num_threads=3,
@@ -282,7 +405,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None):
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(),
     )
-    return call(table, x, w)
+    outs = [o[:m] if m_pad else o for o in call(table, x, w)]
+    return tuple(outs) if return_h else outs[0]
 
 
 def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):

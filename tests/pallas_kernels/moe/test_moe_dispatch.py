@@ -7,7 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe import grouped_matmul, permute, unpermute
+from pallas_kernels.moe import gate_up_swiglu, grouped_matmul, permute, unpermute
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference)
@@ -123,18 +123,28 @@ def test_impl_validation():
     np.testing.assert_allclose(out, 2.0)
 
 
-def test_row_tile_table_covers_every_row_once():
-    m, tm = 1000, 128
+@pytest.mark.parametrize("aligned", [True, False])
+def test_row_tile_table_covers_every_row_once(aligned):
+    m, tm, e = 1000, 128, 16
     for kind in ("zipf", "one", "tail", "uniform"):
-        gs = group_sizes_of(kind, m, 16, seed=5)
-        table = np.asarray(mosaic_gpu.row_tile_table(gs, m, tm))
+        gs = group_sizes_of(kind, m, e, seed=5)
+        table = np.asarray(mosaic_gpu.row_tile_table(gs, m, tm, aligned=aligned))
         owner = np.full(m, -1)
-        for g, blk, lo, hi in table.T:
-            rows = np.arange(blk * tm + lo, blk * tm + hi)
+        for g, row0, lo, hi in table.T:
+            if hi == lo:
+                continue
+            assert row0 % 8 == 0 and 0 <= lo < hi <= tm
+            if aligned:
+                assert row0 + tm <= m
+            rows = np.arange(row0 + lo, row0 + hi)
             assert np.all(owner[rows] == -1)
             owner[rows] = g
         ends = np.cumsum(np.asarray(gs))
         np.testing.assert_array_equal(owner, np.searchsorted(ends, np.arange(m), side="right"))
+        if aligned:  # a group of s rows takes at most cdiv(s + 7, tm) tiles
+            sizes = np.append(np.asarray(gs), m - np.asarray(gs).sum())
+            used = np.bincount(table[0][table[3] > table[2]], minlength=e + 1)
+            assert np.all(used <= -(-(sizes + 7) // tm))
 
 
 # --- Mosaic GPU kernels in GPU interpret mode (bf16 operands, fp32 reference on the same values)
@@ -147,18 +157,27 @@ def _operands(m, kd, n, e, seed):
     return x, w, dy
 
 
-@pytest.mark.parametrize("kind,e", [("zipf", 8), ("one", 4), ("tail", 6)])
-def test_mosaic_gmm_forward_and_kernels(kind, e):
-    m, kd, n = 384, 128, 256
+# configs: v3 default (rows split between warpgroups, group-aligned tiles) and v1 (columns
+# split, fixed tile grid); "tail" has m = 379 (not a multiple of 8: padded inside gmm)
+V1_CONFIG = mosaic_gpu.TileConfig(wg_split="n", aligned=False)
+
+
+@pytest.mark.parametrize("kind,e,config", [("zipf", 8, None), ("one", 4, None), ("tail", 6, None),
+                                           ("zipf", 7, V1_CONFIG)])
+def test_mosaic_gmm_forward_and_kernels(kind, e, config):
+    m, kd, n = (379 if kind == "tail" else 384), 128, 256
     x, w, dy = _operands(m, kd, n, e, seed=e)
     gs = group_sizes_of(kind, m, e, seed=e)
     f32 = lambda a: a.astype(jnp.float32)
 
-    out = mosaic_gpu.gmm(x, w, gs, out_dtype=jnp.float32)
+    out = mosaic_gpu.gmm(x, w, gs, out_dtype=jnp.float32, config=config)
     ref = grouped_matmul_reference(f32(x), f32(w), gs)
+    assert out.shape == (m, n)
     assert rel_err(out, ref) < 1e-5
     if kind == "tail":
         assert np.all(np.asarray(out)[int(gs.sum()):] == 0)
+    if config is not None:
+        return  # the dx / dw kernels below are the same for both configs
 
     dx = mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32)
     dx_ref = grouped_matmul_reference(f32(dy), jnp.swapaxes(f32(w), 1, 2), gs)
@@ -187,6 +206,44 @@ def test_mosaic_grouped_matmul_custom_vjp_bf16():
     assert rel_err(gw, gw_r) < 1e-2
 
 
+def test_fused_gate_up_swiglu_forward_and_grads():
+    """gate_up_swiglu (one kernel: gate/up GEMM + SwiGLU on the fp32 accumulators) vs the fp32
+    formula silu(x @ Wg) * (x @ Wu) per group, values and gradients; an empty expert."""
+    m, d, i, e = 256, 128, 128, 5
+    keys = jax.random.split(jax.random.key(21), 4)
+    x = jax.random.normal(keys[0], (m, d)).astype(jnp.bfloat16)
+    w_cat = (jax.random.normal(keys[1], (e, d, 2 * i)) / 8).astype(jnp.bfloat16)  # [Wg | Wu]
+    w_il = mosaic_gpu.interleave_gate_up(w_cat)
+    gs = jnp.array([60, 0, 100, 57, 39], jnp.int32)  # sum 256
+    da = jax.random.normal(keys[2], (m, i)).astype(jnp.bfloat16)
+    f32 = lambda a: a.astype(jnp.float32)
+    np.testing.assert_array_equal(
+        np.concatenate(mosaic_gpu.deinterleave_gate_up(np.asarray(f32(w_il))), -1),
+        np.asarray(f32(w_cat)))
+
+    def formula(x, w_cat):
+        h = grouped_matmul_reference(x, w_cat, gs)
+        return jax.nn.silu(h[:, :i]) * h[:, i:]
+
+    out, vjp = jax.vjp(lambda x, w: gate_up_swiglu(x, w, gs, impl="pallas"), x, w_il)
+    gx, gw = vjp(da)
+    out_r, vjp_r = jax.vjp(formula, f32(x), f32(w_cat))
+    gx_r, gw_r = vjp_r(f32(da))
+    assert out.shape == (m, i) and out.dtype == gx.dtype == gw.dtype == jnp.bfloat16
+    assert rel_err(out, out_r) < 1e-2
+    assert rel_err(gx, gx_r) < 1e-2
+    gw_cat = np.concatenate(mosaic_gpu.deinterleave_gate_up(np.asarray(f32(gw))), -1)
+    assert rel_err(gw_cat, gw_r) < 1e-2
+    assert np.all(gw_cat[1] == 0)  # the empty expert gets no weight gradient
+    # the reference impl: same function in fp32
+    out_ref, vjp_ref = jax.vjp(lambda x, w: gate_up_swiglu(x, w, gs, impl="reference"),
+                               f32(x), f32(w_il))
+    assert rel_err(out_ref, out_r) < 1e-5
+    assert rel_err(vjp_ref(f32(da))[0], gx_r) < 1e-5
+    with pytest.raises(ValueError, match="256"):
+        gate_up_swiglu(x, w_il[..., :128], gs, impl="reference")
+
+
 # --- fast permute: counting sort (exact vs stable argsort) and the Mosaic GPU row scatter
 # (GPU interpret mode on CPU), bit-identical to the reference path
 
@@ -194,15 +251,16 @@ from pallas_kernels.moe import dispatch  # noqa: E402
 from pallas_kernels.moe.reference import sort_by_expert  # noqa: E402
 
 
+@pytest.mark.parametrize("method", ["compare", "matmul"])
 @pytest.mark.parametrize("t,k,e,block", [(50, 6, 64, 256), (37, 3, 8, 16), (1, 1, 4, 256),
                                          (300, 8, 256, 64), (129, 2, 5, 8)])
-def test_counting_sort_matches_stable_argsort(t, k, e, block):
+def test_counting_sort_matches_stable_argsort(t, k, e, block, method):
     rng = np.random.default_rng(t + e)
     ids = rng.integers(0, e, (t, k))  # repeats within a token too: ties must stay in slot order
     if t > 100:
         ids[: t // 2] = e // 3  # one heavy expert across many sort blocks
     ids = jnp.asarray(ids, jnp.int32)
-    gs, perm, dest = dispatch.counting_sort_by_expert(ids, e, block=block)
+    gs, perm, dest = dispatch.counting_sort_by_expert(ids, e, block=block, method=method)
     gs_ref, perm_ref = sort_by_expert(ids, e)
     assert gs.dtype == perm.dtype == dest.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(gs), np.asarray(gs_ref))
