@@ -45,7 +45,8 @@ class Config:
     block_kv_bwd: int = 64   # backward: key rows per warpgroup
     block_q_bwd: int = 64    # backward: query rows per pipeline step
     stages_bwd: int = 2      # backward: Q/dO pipeline depth
-    dq_cols: int = 64        # backward: dQ columns per wgmma / TMA reduce-add
+    dq_cols: int = 64        # backward: dQ columns per wgmma
+    dq_one_wg: bool = False  # backward: warpgroup 0 computes all of dQ through one chunk buffer
 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -58,21 +59,21 @@ def smem_bytes(Dqk, Dv, cfg: Config):
     fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
     bwd = ((2 * cfg.block_kv_bwd + cfg.stages_bwd * cfg.block_q_bwd) * (Dqk + Dv) * 2
            + 2 * cfg.block_kv_bwd * cfg.block_q_bwd * 2      # dS^T of both warpgroups
-           + 2 * cfg.block_q_bwd * cfg.dq_cols * 4)          # fp32 dQ staging per warpgroup
+           + cfg.block_q_bwd * (cfg.dq_cols if cfg.dq_one_wg else Dqk) * 4)   # fp32 dQ staging
     return fwd, bwd
 
 
 def default_config(Dqk, Dv) -> Config:
     """Largest tiles that fit shared memory: 128-key forward steps and a 2-deep backward
-    pipeline up to Dqk + Dv = 320 (MLA 192/128); for 256/256 64-key forward steps, a 1-deep
-    backward pipeline and 32-column dQ chunks."""
+    pipeline with a full-width dQ staging buffer up to Dqk + Dv = 320 (MLA 192/128); for 256/256
+    64-key forward steps, a 1-deep backward pipeline and dQ through one 64-column buffer."""
     cfg = Config()
     if smem_bytes(Dqk, Dv, cfg)[0] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, block_kv=64)
     if smem_bytes(Dqk, Dv, cfg)[1] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, stages_bwd=1)
     if smem_bytes(Dqk, Dv, cfg)[1] > SMEM_BYTES:
-        cfg = dataclasses.replace(cfg, dq_cols=32)
+        cfg = dataclasses.replace(cfg, dq_one_wg=True)
     return cfg
 
 
@@ -217,11 +218,11 @@ def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA)
 
 
-def _tiled(shape, dtype, swizzle=128):
-    """SMEM ref in the (8, swizzle bytes) tiled, swizzled layout that TMA and wgmma use."""
-    cols = swizzle // jnp.dtype(dtype).itemsize
+def _tiled(shape, dtype):
+    """SMEM ref in the (8 rows, 128 bytes) tiled, 128-byte swizzled layout of TMA and wgmma."""
+    cols = 128 // jnp.dtype(dtype).itemsize
     return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
-                                                plgpu.SwizzleTransform(swizzle)))
+                                                plgpu.SwizzleTransform(128)))
 
 
 def _compiler_params():
@@ -404,26 +405,39 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
 # ----------------------------------------------------------------------------------------------
 
 def _dq_split(Dqk, cfg: Config):
-    """dQ columns per compute warpgroup: ((start, n_chunks) for wg 0, for wg 1), in units of
-    cfg.dq_cols; warpgroup 0 takes the larger half (MLA 192: 128 + 64 columns)."""
+    """dQ columns per compute warpgroup, as (first chunk, number of chunks) in units of
+    cfg.dq_cols for wg 0 and wg 1: wg 0 takes the larger half (MLA 192: 128 + 64 columns), or
+    everything when cfg.dq_one_wg (256/256, where shared memory holds one staging chunk only)."""
     n = Dqk // cfg.dq_cols
-    n0 = -(-n // 2)
+    n0 = n if cfg.dq_one_wg else -(-n // 2)
     return (0, n0), (n0, n - n0)
+
+
+def _wgmma_regs(acc_ref, a, b, *, stage):
+    """Issue acc_ref += a @ b without waiting, `a` a register array. Under GPU interpret mode
+    (stage: an SMEM ref) `a` goes through `stage`, as interpret mode reads wgmma operands from
+    SMEM only; compiled (stage None) it is wgmma's A-from-registers form."""
+    if stage is not None:
+        stage[...] = a
+        a = stage
+    plgpu.wgmma(acc_ref, a, b)
 
 
 def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_acc, *,
                      scale, causal, S, cfg: Config, interpret):
     """Fused FlashAttention backward (FA2 Alg. 2 with FA3's dQ accumulation, arXiv 2407.08608
     sec. 3.1): per CTA 2 x block_kv_bwd keys of one kv head; each compute warpgroup keeps dK, dV
-    of its 64 keys in registers and streams (Q, dO) tiles of all G query heads of that kv head
-    through a TMA pipeline, computing S, P, dP and dS once per tile:
+    of its 64 keys in wgmma accumulators and streams (Q, dO) tiles of all G query heads of that
+    kv head through a TMA pipeline, computing S, P, dP and dS once per tile:
 
       dV += P^T dO,   dS = P * (dP - dlt),   dK += dS^T Q,   dQ[t] += dS K   (scale applied later)
 
-    The two warpgroups exchange dS^T through shared memory; each then computes a column slice of
-    the CTA's dQ tile over all 128 keys and adds it to `dq_acc` (fp32 [B, Tp, N, Dqk], a mutable
-    ref, zero on entry) with a TMA reduce-add (compiled) or a plain read-modify-write (GPU
-    interpret mode, which runs CTAs one after another and has no TMA reductions in jax 0.11.2).
+    The dV and dK products run asynchronously under the dS arithmetic and the dS^T store. The
+    two warpgroups exchange dS^T through shared memory; each then computes a column slice of the
+    CTA's dQ tile over all 2 x 64 keys and adds it to `dq_acc` (fp32 [B, Tp, N, Dqk], a mutable
+    ref, zero on entry) with one TMA reduce-add per step (compiled) or a plain read-modify-write
+    (GPU interpret mode, which runs CTAs one after another and has no TMA reductions in
+    jax 0.11.2).
 
     Returns dk [B, Sp, K, Dqk] = scale * sum dS^T q, dv [B, Sp, K, Dv] = sum P^T dO (q.dtype),
     summed over the G query heads of each kv head inside the kernel; writes dq_acc = dS k.
@@ -436,6 +450,9 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
     has_seg = q_seg is not None
     c2 = scale * LOG2E
     split = _dq_split(Dqk, cfg)
+    # Staging columns per warpgroup: all of its dQ columns (one reduce-add per step), or one
+    # chunk reused chunk by chunk when shared memory is short (cfg.dq_one_wg).
+    st_cols = [(dqc if cfg.dq_one_wg else n * dqc) if n else 0 for _, n in split]
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
                kseg_ref, dq_ref, dk_ref, dv_ref, scoped):
@@ -450,33 +467,40 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         n_c = H - L
         n_c1 = jnp.maximum(n_c, 1)
 
-        def compute(w):
-            """Compute warpgroup w (a Python int, so its dQ column slice is static)."""
-            plgpu.set_max_registers(232, action="increase")
+        def compute(w, dk_acc, dv_acc):
+            """Compute warpgroup w (a Python int, so its dQ column slice is static): accumulate
+            its dK, dV (unscaled) in dk_acc, dv_acc and its share of dQ in dq_ref."""
             tile = 2 * kt + w
             kv_base = tile * bkv
             ks = pl.ds(kv_base, bkv)
             k_smem, v_smem, ds_smem = k_smems.at[w], v_smems.at[w], ds_smems.at[w]
             stage = None if stage_smems is None else stage_smems.at[w]
+            dq_stage = None if dq_stages is None else dq_stages[w]
             plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smem, k_bar.at[w])
             plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smem, v_bar.at[w])
             lo, mlo, mhi, hi = (wgb_ref[b, tile, i] for i in range(4))
             dl = dl_ref[0]
             if has_seg:
                 kseg = plgpu.load(kseg_ref.at[b, ks], layout=_ROW, optimized=False)
-            dk = plgpu.layout_cast(jnp.zeros((bkv, Dqk), jnp.float32), _WGMMA)
-            dv = plgpu.layout_cast(jnp.zeros((bkv, Dv), jnp.float32), _WGMMA)
             plgpu.barrier_wait(k_bar.at[0])      # dQ reads both warpgroups' K tiles
             plgpu.barrier_wait(k_bar.at[1])
             plgpu.barrier_wait(v_bar.at[w])
             plgpu.barrier_arrive(ds_free)        # dS buffers start free
+            c_start, n_chunks = split[w]
 
-            def dq_update(h, c):
-                """Wait for both dS^T tiles, add this warpgroup's dQ columns of query tile c."""
+            def dq_update(h, c, slot):
+                """Both dS^T tiles are in SMEM: add this warpgroup's dQ columns of tile c. Waits
+                for every wgmma in flight (the dK product too), so Q[slot] is released here."""
                 plgpu.barrier_arrive(ds_ready)
                 plgpu.barrier_wait(ds_ready)
                 qs = pl.ds(c * bq, bq)
-                c_start, n_chunks = split[w]
+                if n_chunks == 0:
+                    plgpu.wgmma_wait(0)
+                    plgpu.barrier_arrive(q_cons.at[slot])
+                    plgpu.barrier_arrive(ds_free)
+                    return
+                if interpret is None and not cfg.dq_one_wg:
+                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last step's reduce-add
                 for j in range(n_chunks):
                     cols = pl.ds((c_start + j) * dqc, dqc)
 
@@ -485,29 +509,38 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                             plgpu.wgmma(acc_ref, ds_smems.at[i].T, k_smems.at[i, :, cols])
                         return acc_ref[...]
                     part = pl.run_scoped(body, plgpu.ACC((bq, dqc), jnp.float32))
+                    if j == 0:
+                        plgpu.barrier_arrive(q_cons.at[slot])
                     if j == n_chunks - 1:
                         plgpu.barrier_arrive(ds_free)
-                    if interpret is None:
-                        dq_stage = dq_stages.at[w]
+                    if interpret is not None:
+                        dq_ref[b, qs, h, cols] = dq_ref[b, qs, h, cols] + part
+                    elif cfg.dq_one_wg:
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                         dq_stage[...] = part
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(dq_stage, dq_ref.at[b, qs, h, cols],
                                                 reduction_op="add")
                     else:
-                        dq_ref[b, qs, h, cols] = dq_ref[b, qs, h, cols] + part
-                if n_chunks == 0:
-                    plgpu.barrier_arrive(ds_free)
+                        dq_stage[:, pl.ds(j * dqc, dqc)] = part
+                if interpret is None and not cfg.dq_one_wg:
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(
+                        dq_stage, dq_ref.at[b, qs, h, pl.ds(c_start * dqc, n_chunks * dqc)],
+                        reduction_op="add")
 
-            def head(g, carry):
+            def head(g, _):
                 h = kvh * G + g
 
                 def step(c, carry, *, masked):
-                    dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
                     qs = pl.ds(c * bq, bq)
                     plgpu.barrier_wait(q_bar.at[slot])
-                    sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret)
+
+                    def s_mm(acc_ref):
+                        plgpu.wgmma(acc_ref, k_smem, q_smems.at[slot].T)
+                        return acc_ref[...]
+                    sT = pl.run_scoped(s_mm, plgpu.ACC((bkv, bq), jnp.float32))
                     lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
                     if masked:
@@ -520,37 +553,49 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                             ok = ok & (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
                                        == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
                         pT = jnp.where(ok, pT, 0.0)
-                    plgpu.barrier_wait(do_bar.at[slot])
-                    dv = _mm(pT.astype(dtype), do_smems.at[slot], (bkv, Dv), dv,
-                             interpret=interpret, stage=stage, a_in_regs=True)
-                    dpT = _mm(v_smem, do_smems.at[slot].T, (bkv, bq), interpret=interpret)
-                    plgpu.barrier_arrive(do_cons.at[slot])
                     dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    plgpu.barrier_wait(do_bar.at[slot])
+
+                    def dp_mm(acc_ref):   # dP^T = V dO^T; dV += P^T dO left in flight
+                        plgpu.wgmma(acc_ref, v_smem, do_smems.at[slot].T)
+                        _wgmma_regs(dv_acc, pT.astype(dtype), do_smems.at[slot], stage=stage)
+                        return plgpu.wgmma_accumulator_load(acc_ref, wait_n=1)
+                    dpT = pl.run_scoped(dp_mm, plgpu.ACC((bkv, bq), jnp.float32))
                     dsT = (pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))).astype(dtype)
-                    dk = _mm(dsT, q_smems.at[slot], (bkv, Dqk), dk, interpret=interpret,
-                             stage=stage, a_in_regs=True)
-                    plgpu.barrier_arrive(q_cons.at[slot])
+                    _wgmma_regs(dk_acc, dsT, q_smems.at[slot], stage=stage)
                     plgpu.barrier_wait(ds_free)
                     ds_smem[...] = dsT
                     plgpu.commit_smem()
-                    dq_update(h, c)
-                    return dk, dv
+                    plgpu.wgmma_wait(1)              # dV done: dO[slot] is free
+                    plgpu.barrier_arrive(do_cons.at[slot])
+                    dq_update(h, c, slot)
+                    return carry
 
                 def skip(c):   # this warpgroup's keys see none of tile c; the other's may
                     slot = lax.rem(g * n_c + c - L, stages)
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(do_bar.at[slot])
                     plgpu.barrier_arrive(do_cons.at[slot])
-                    plgpu.barrier_arrive(q_cons.at[slot])
                     plgpu.barrier_wait(ds_free)
                     ds_smem[...] = plgpu.layout_cast(jnp.zeros((bkv, bq), dtype), _WGMMA)
                     plgpu.commit_smem()
-                    dq_update(h, c)
+                    dq_update(h, c, slot)
 
-                return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry)
+                return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, None)
 
-            dk, dv = lax.fori_loop(0, G, head, (dk, dv))
+            lax.fori_loop(0, G, head, None)
             plgpu.barrier_wait(ds_free)   # the other warpgroup no longer reads this K tile
+
+        def compute_wg(w):
+            plgpu.set_max_registers(232, action="increase")
+
+            def run(dk_acc, dv_acc):
+                compute(w, dk_acc, dv_acc)
+                return dk_acc[...], dv_acc[...]
+            dk, dv = pl.run_scoped(
+                run, plgpu.ACC((bkv, Dqk), jnp.float32), plgpu.ACC((bkv, Dv), jnp.float32))
+            ks = pl.ds((2 * kt + w) * bkv, bkv)
+            k_smem, v_smem = k_smems.at[w], v_smems.at[w]
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -558,8 +603,8 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, ks, kvh])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        pl.when(wg == 0)(lambda: compute(0))
-        pl.when(wg == 1)(lambda: compute(1))
+        pl.when(wg == 0)(lambda: compute_wg(0))
+        pl.when(wg == 1)(lambda: compute_wg(1))
 
         @pl.when(wg == 2)
         def _memory():
@@ -599,8 +644,9 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
 
     def entry(*refs):
         stage = plgpu.SMEM((2, bkv, bq), dtype) if interpret else None
-        dq_st = None if interpret else _tiled((2, bq, dqc), jnp.float32)
-        smems = (_tiled((2, bkv, Dqk), dtype, swizzle=min(128, 2 * dqc)),
+        dq_st = None if interpret else tuple(
+            _tiled((bq, n), jnp.float32) if n else None for n in st_cols)
+        smems = (_tiled((2, bkv, Dqk), dtype),
                  _tiled((2, bkv, Dv), dtype), _tiled((stages, bq, Dqk), dtype),
                  _tiled((stages, bq, Dv), dtype), _tiled((2, bkv, bq), dtype), dq_st, stage)
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
