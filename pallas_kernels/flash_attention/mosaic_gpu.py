@@ -535,13 +535,17 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                 def step(c, carry, *, masked):
                     slot = lax.rem(g * n_c + c - L, stages)
                     qs = pl.ds(c * bq, bq)
+                    # Global loads first: their latency hides under the Q wait and S product.
+                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    if masked and has_seg:
+                        qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
                     plgpu.barrier_wait(q_bar.at[slot])
 
                     def s_mm(acc_ref):
                         plgpu.wgmma(acc_ref, k_smem, q_smems.at[slot].T)
                         return acc_ref[...]
                     sT = pl.run_scoped(s_mm, plgpu.ACC((bkv, bq), jnp.float32))
-                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
                     if masked:
                         kv_pos = kv_base + _iota((bkv, bq), 0)
@@ -549,11 +553,9 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         if causal:
                             ok = ok & (kv_pos <= c * bq + _iota((bkv, bq), 1) + dl)
                         if has_seg:
-                            qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
                             ok = ok & (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
                                        == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
                         pT = jnp.where(ok, pT, 0.0)
-                    dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
                     plgpu.barrier_wait(do_bar.at[slot])
 
                     def dp_mm(acc_ref):   # dP^T = V dO^T; dV += P^T dO left in flight
