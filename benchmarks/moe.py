@@ -38,12 +38,13 @@ SHAPES = {"v2lite": dict(T=16384, K=6, E=64, D=2048, I=1408),
 T0 = time.perf_counter()
 REPS = (5, 5)  # (batches, calls per batch); --quick: (1, 1)
 CONFIG_CHOICES = {  # --configs: gmm forward variants timed side by side at the gate/up shape
-    "m-aligned": mosaic_gpu.TileConfig(),  # v3 default: rows split between warpgroups
-    "n-aligned": mosaic_gpu.TileConfig(wg_split="n"),
+    "n-aligned": mosaic_gpu.TileConfig(),  # v3 default: columns split between warpgroups
+    "m-aligned": mosaic_gpu.TileConfig(wg_split="m"),  # rows split, half-tile skipping
     "v1": mosaic_gpu.TileConfig(wg_split="n", aligned=False),  # v1/v2 kernel
     "m-fixed": mosaic_gpu.TileConfig(aligned=False),
 }
 CONFIGS = []
+CHAIN = 10  # sorts per program in the routing-sort device timing
 SWIGLU_SHAPES = ("v2lite", "tiny")  # --swiglu-shapes: where the fused gate/up+SwiGLU is timed
 ONLY_OURS = False
 
@@ -272,9 +273,9 @@ def run_shape(name, s, rows, sweep, tok):
 
     # --- permute / unpermute bandwidth
     pb = (T * D + M * D) * 2
-    attempt("permute", lambda: add("permute", "XLA gather", "fwd", bench(jax.jit(
+    attempt("permute", lambda: add("permute", "impl=auto", "fwd", bench(jax.jit(
         lambda x, i: api.permute(x, i, num_experts=E)[0]), x, ids), nbytes=pb,
-        note="incl. argsort"))
+        note="incl. routing sort"))
     attempt("permute rows", lambda: add("permute", "XLA gather (perm given)", "fwd", bench(jax.jit(
         lambda x, pr: jnp.take(x, pr // K, axis=0)), x, perm), nbytes=pb))
     ys = jax.random.normal(jax.random.key(9), (M, D), jnp.bfloat16)
@@ -381,6 +382,39 @@ def run_permute(name, s, rows):
             print(f"[{name}] {op} {impl} FAILED: {repr(err)[:300]}", flush=True)
 
 
+def run_sort_timing(name, s, rows):
+    """Routing sorts alone, device time per sort (see the comment below)."""
+    T, K, E, D = (s[k] for k in "TKED")
+    _, ids, _, _, _ = make_inputs(dict(s, D=128, I=128), jax.random.key(0))
+
+    def add(op, impl, pas, sec, note=""):
+        r = dict(shape=name, op=op, impl=impl, pass_=pas, ms=sec * 1e3, note=note,
+                 t=round(time.perf_counter() - T0, 1))
+        rows.append(r)
+        print(json.dumps(r), flush=True)
+
+    # The sorts alone are shorter than a jitted call's host dispatch: time CHAIN dependent
+    # sorts in one program (each on ids shifted by its index, made to depend on the previous
+    # sort's output) and report the per-sort device time.
+    def chained(sort):
+        def run(i):
+            dep = jnp.int32(0)
+            for j in range(CHAIN):
+                out = sort((i + j + jnp.minimum(dep, 0)) % E)
+                dep = out[-1].reshape(-1)[0]
+            return dep
+        return jax.jit(run)
+    for impl, sort in (("counting sort, compare (v3)", lambda i: dispatch.counting_sort_by_expert(i, E)),
+                       ("counting sort, one-hot matmul (v2)",
+                        lambda i: dispatch.counting_sort_by_expert(i, E, method="matmul")),
+                       ("stable argsort + bincount", lambda i: api.sort_by_expert(i, E))):
+        try:
+            add("routing sort, device time", impl, "fwd", bench(chained(sort), ids) / CHAIN,
+                note=f"{CHAIN} chained sorts in one program")
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] chained sort {impl} FAILED: {repr(err)[:300]}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="v2lite,v3")
@@ -392,6 +426,8 @@ def main():
     ap.add_argument("--permute-only", action="store_true", help="only the permute section")
     ap.add_argument("--permute", action="store_true", help="also run the permute section first")
     ap.add_argument("--swiglu-shapes", default="v2lite,tiny")
+    ap.add_argument("--sort-timing", action="store_true",
+                    help="first: device time of the routing sorts (chained in one program)")
     ap.add_argument("--configs", default="", help="comma list of " + ",".join(CONFIG_CHOICES))
     args = ap.parse_args()
     global CONFIGS
@@ -406,6 +442,9 @@ def main():
     ONLY_OURS = args.only_ours
     tok = None if (args.only_ours or args.permute_only) else tokamax_ragged_dot()
     rows = []
+    if args.sort_timing:
+        for name in args.shapes.split(","):
+            run_sort_timing(name, SHAPES[name], rows)
     if args.permute_only or args.permute:  # cheap: all shapes first
         for name in args.shapes.split(","):
             try:

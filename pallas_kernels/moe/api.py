@@ -15,7 +15,7 @@ token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend
 are inverse gathers (no scatter-add).
 
 gate_up_swiglu: the expert gate/up projection with SwiGLU fused into the Mosaic GPU kernel's
-epilogue (weights gate/up interleaved in 128-column blocks); its backward is an XLA SwiGLU
+epilogue (weights gate/up interleaved in 64-column blocks); its backward is an XLA SwiGLU
 derivative + the dx / dw grouped GEMMs.
 
 Gradients (standard matmul calculus): for y = x @ w[g], dx = dy @ w[g]^T (a grouped GEMM with
@@ -244,7 +244,8 @@ def gate_up_swiglu(x, w_gate_up, group_sizes, *, impl="auto"):
 
     Args:
       x: [M, D] rows sorted by group; w_gate_up: [E, D, 2I] with gate and up columns
-        interleaved in blocks of 128 (`mosaic_gpu.interleave_gate_up` of [Wg | Wu]);
+        interleaved in blocks of `mosaic_gpu.swiglu_block()` (64 under the default config):
+        `mosaic_gpu.interleave_gate_up` of [Wg | Wu], for every impl;
         group_sizes: [E] int, sum <= M (rows past the sum give zeros).
     Returns:
       [M, I] in x.dtype. "pallas": one Mosaic GPU kernel computes both halves of a CTA tile

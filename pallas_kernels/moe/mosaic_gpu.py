@@ -9,16 +9,18 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
 * `gmm`:  out[M, N] = x[M, Kc] @ w[g(row)] (`transpose_rhs`: @ w[g]^T). Work items are
   (row tile, column tile) pairs; a row tile is tm rows of x holding rows of one group, from a
   (group, first row, lo, hi) table computed outside the kernel with jnp (the kernel's size
-  does not grow with E). v3 default (TileConfig wg_split="m", aligned=True): a group's row
+  does not grow with E). v3 default (TileConfig aligned=True, wg_split="n"): a group's row
   tiles start at its 8-aligned first row (cdiv(s + 7, tm) tiles for s rows, where the fixed
-  tm grid of v1 visits every boundary block once per group), and each compute warpgroup owns
-  tm/2 rows x all 2*tn columns, skipping its wgmma when its rows hold none of the group
-  (64-row compute granularity at group ends). v1 (wg_split="n", aligned=False): each
-  warpgroup owns tn columns of all tm rows, tiles on the fixed grid. Only the group's rows
+  tm grid of v1 (aligned=False) visits every boundary block once per group), and each compute
+  warpgroup owns tn columns of all tm rows. Option wg_split="m": each warpgroup owns tm/2
+  rows x all 2*tn columns and skips its wgmma when its rows hold none of the group (64-row
+  compute granularity at group ends); measured slower on the H200 (it reads 25% more SMEM
+  per k-step: 64x64 of A + 64x256 of B per warpgroup instead of 128x64 + 64x128). Only the
+  group's rows
   are stored (a TMA store per set bit of the row count). Rows past sum(group_sizes) are
   written as zeros. epilogue="swiglu": weight columns come gate/up interleaved in blocks of
-  128 (`interleave_gate_up`), so each warpgroup's 256-column accumulator holds matching gate
-  and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
+  half a warpgroup's columns (`interleave_gate_up`, 64 by default), so each warpgroup's
+  accumulator holds matching gate and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
   the backward, optionally the pre-activation h [M, N].
 * `tgmm`: dw[E, Kx, N] = per group x[rows]^T @ dy[rows] (the ragged dimension is the
   contraction). Work items are (group, Kx tile, N tile); the pipeline walks the group's
@@ -62,7 +64,7 @@ class TileConfig:
     tile_k: int = 64
     max_concurrent_steps: int = 4
     memory_registers: int = 40
-    wg_split: str = "m"
+    wg_split: str = "n"
     aligned: bool = True
 
 
@@ -182,14 +184,23 @@ def _store_rows(src_smem, dst_gmem, lo, hi, tile_m):
             p //= 2
 
 
-def interleave_gate_up(w, block=128):
+def swiglu_block(config=None):
+    """Gate/up interleave block of `gmm(..., epilogue="swiglu")` under a config (default
+    DEFAULT_CONFIG): half of one compute warpgroup's columns, 64 for wg_split "n", 128 for "m"."""
+    config = config or DEFAULT_CONFIG
+    return 128 if config.wg_split == "m" else 64
+
+
+def interleave_gate_up(w, block=None):
     """[..., 2I] gate|up columns -> [..., 2I] with gate and up blocks of `block` alternating.
 
     Column layout of the result: for j < I/block, columns [2j*block, (2j+1)*block) are gate
-    columns [j*block, (j+1)*block) and the next `block` are the matching up columns. This is the
-    weight layout `gmm(..., epilogue="swiglu")` takes (each CTA tile then holds both halves).
-    Raises ValueError when I is not a multiple of block.
+    columns [j*block, (j+1)*block) and the next `block` are the matching up columns. With
+    block = `swiglu_block()` (the default) this is the weight layout
+    `gmm(..., epilogue="swiglu")` takes: each warpgroup's accumulator holds both halves.
+    Raises ValueError when 2I is not a multiple of 2 * block.
     """
+    block = block or swiglu_block()
     n = w.shape[-1]
     if n % (2 * block):
         raise ValueError(f"gate|up width {n} must be a multiple of {2 * block}")
@@ -199,8 +210,9 @@ def interleave_gate_up(w, block=128):
     return jnp.concatenate([g, u], axis=-2).reshape(w.shape)
 
 
-def deinterleave_gate_up(h, block=128):
+def deinterleave_gate_up(h, block=None):
     """Inverse of `interleave_gate_up`: [..., 2I] interleaved -> (gate [..., I], up [..., I])."""
+    block = block or swiglu_block()
     n = h.shape[-1]
     i = n // 2
     hb = h.reshape(*h.shape[:-1], i // block, 2, block)
@@ -216,9 +228,9 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         same dtype; group_sizes: [E] int, sum <= M.
       out_dtype: output dtype (default x.dtype); accumulation is fp32.
       config: TileConfig (default DEFAULT_CONFIG).
-      epilogue: None, or "swiglu": w's columns are gate/up interleaved in blocks of 128
-        (`interleave_gate_up`) and the output is silu(gate) * up computed from the fp32
-        accumulators, [M, N/2] (needs wg_split "m", no transpose_rhs).
+      epilogue: None, or "swiglu": w's columns are gate/up interleaved in blocks of
+        `swiglu_block(config)` (`interleave_gate_up`) and the output is silu(gate) * up
+        computed from the fp32 accumulators, [M, N/2] (no transpose_rhs).
       return_h: with epilogue="swiglu", also return the pre-activation h = x @ w [M, N]
         (interleaved layout, out_dtype) for the backward pass.
     Returns:
@@ -242,8 +254,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     if epilogue not in (None, "swiglu"):
         raise ValueError(f"epilogue={epilogue!r}: expected None or 'swiglu'")
     swiglu = epilogue == "swiglu"
-    if swiglu and (transpose_rhs or config.wg_split != "m" or n % 256):
-        raise ValueError("epilogue='swiglu' needs wg_split 'm', no transpose_rhs and N % 256 == 0")
+    if swiglu and (transpose_rhs or n % 256):
+        raise ValueError("epilogue='swiglu' needs no transpose_rhs and N % 256 == 0")
     if return_h and not swiglu:
         raise ValueError("return_h needs epilogue='swiglu'")
     out_dtype = jnp.dtype(out_dtype or x.dtype)
@@ -381,7 +393,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
                             out_smem[wg, 0] = act.astype(out_dtype)
                             plgpu.commit_smem()
                             _store_rows(out_smem.at[wg, 0],
-                                        o_ref.at[rows, pl.ds(ni * half, half)], wlo, whi, wm)
+                                        o_ref.at[rows, pl.ds(c0 // 2, half)], wlo, whi, wm)
 
                     w_view = (w_ref.at[gw, pl.ds(ni * cta_n, cta_n), :] if transpose_rhs
                               else w_ref.at[gw, :, pl.ds(ni * cta_n, cta_n)])

@@ -157,13 +157,15 @@ def _operands(m, kd, n, e, seed):
     return x, w, dy
 
 
-# configs: v3 default (rows split between warpgroups, group-aligned tiles) and v1 (columns
-# split, fixed tile grid); "tail" has m = 379 (not a multiple of 8: padded inside gmm)
+# configs: v3 default (group-aligned row tiles, columns split between warpgroups), v1 (fixed
+# tile grid) and rows split between warpgroups (half-tile wgmma skipping);
+# "tail" has m = 379 (not a multiple of 8: padded inside gmm)
 V1_CONFIG = mosaic_gpu.TileConfig(wg_split="n", aligned=False)
+M_CONFIG = mosaic_gpu.TileConfig(wg_split="m")
 
 
 @pytest.mark.parametrize("kind,e,config", [("zipf", 8, None), ("one", 4, None), ("tail", 6, None),
-                                           ("zipf", 7, V1_CONFIG)])
+                                           ("zipf", 7, V1_CONFIG), ("tail", 5, M_CONFIG)])
 def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     m, kd, n = (379 if kind == "tail" else 384), 128, 256
     x, w, dy = _operands(m, kd, n, e, seed=e)
@@ -176,8 +178,14 @@ def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     assert rel_err(out, ref) < 1e-5
     if kind == "tail":
         assert np.all(np.asarray(out)[int(gs.sum()):] == 0)
+    if config is M_CONFIG:  # its fused SwiGLU epilogue (interleave block 128), forward only
+        w_il = mosaic_gpu.interleave_gate_up(w, block=mosaic_gpu.swiglu_block(config))
+        act = mosaic_gpu.gmm(x, w_il, gs, epilogue="swiglu", config=config)
+        gate, up = mosaic_gpu.deinterleave_gate_up(
+            grouped_matmul_reference(f32(x), f32(w_il), gs), block=128)
+        assert act.shape == (m, n // 2) and rel_err(act, jax.nn.silu(gate) * up) < 1e-2
     if config is not None:
-        return  # the dx / dw kernels below are the same for both configs
+        return  # the dx / dw kernels below do not depend on these options
 
     dx = mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32)
     dx_ref = grouped_matmul_reference(f32(dy), jnp.swapaxes(f32(w), 1, 2), gs)
