@@ -44,6 +44,7 @@ CONFIG_CHOICES = {  # --configs: gmm forward variants timed side by side at the 
     "m-fixed": mosaic_gpu.TileConfig(aligned=False),
 }
 CONFIGS = []
+HLO_DIR = None  # --hlo-dir: write the optimized HLO of the layer fwd+bwd programs there
 CHAIN = 10  # sorts per program in the routing-sort device timing
 SWIGLU_SHAPES = ("v2lite", "tiny")  # --swiglu-shapes: where the fused gate/up+SwiGLU is timed
 ONLY_OURS = False
@@ -234,6 +235,22 @@ def run_shape(name, s, rows, sweep, tok):
             add("gemm+swiglu", iname, "fwd+bwd", bench(jax.jit(step), xs, wts, gs, dya),
                 3 * gemm_flops)
         attempt(f"swiglu fwd+bwd {iname}", sfb)
+    if name in SWIGLU_SHAPES:  # the XLA SwiGLU passes alone (bytes: fwd 3*M*I, bwd 5*M*I bf16)
+        h2 = jax.random.normal(jax.random.key(10), (M, 2 * I), jnp.bfloat16)
+
+        def sw_fb(h, d):
+            out, vjp = jax.vjp(swiglu, h)
+            return out, vjp(d)
+        for iname, f, args, nb in (
+                ("XLA SwiGLU on [M,2I] gate|up", swiglu, (h2,), 3 * M * I * 2),
+                ("XLA SwiGLU, autodiff bwd (+fwd)", sw_fb, (h2, dya), 8 * M * I * 2),
+                ("XLA SwiGLU bwd, interleaved where-form (fused path)",
+                 api.swiglu_backward_interleaved, (h2, dya), 5 * M * I * 2)):
+            attempt(f"swiglu alone {iname}", lambda f=f, iname=iname, args=args, nb=nb: add(
+                "swiglu alone", iname,
+                "fwd+bwd" if "+fwd" in iname else ("bwd" if "bwd" in iname else "fwd"),
+                bench(jax.jit(f), *args), nbytes=nb))
+        del h2
     a_d = jax.random.normal(jax.random.key(3), (M, D), jnp.bfloat16)
     b_d = jax.random.normal(jax.random.key(4), (D, 2 * I), jnp.bfloat16)
     attempt("gemm dense", lambda: add("gemm", "dense XLA", "fwd",
@@ -263,6 +280,11 @@ def run_shape(name, s, rows, sweep, tok):
                 return out, vjp(d)  # return out too: XLA drops an unused kernel call
             add("layer", iname, "fwd+bwd", bench(jax.jit(step), xs, wts, w_dn, gs, dyl),
                 3 * layer_flops)
+            if HLO_DIR and name in SWIGLU_SHAPES:  # optimized HLO: which XLA kernels run
+                txt = jax.jit(step).lower(xs, wts, w_dn, gs, dyl).compile().as_text()
+                fn = "".join(c if c.isalnum() else "_" for c in f"{name}_{iname}") + ".hlo.txt"
+                with open(f"{HLO_DIR}/{fn}", "w") as fh:
+                    fh.write(txt)
         attempt(f"layer fwd+bwd {iname}", lfb)
 
     def dense_layer(a, b1, b2):
@@ -426,13 +448,15 @@ def main():
     ap.add_argument("--permute-only", action="store_true", help="only the permute section")
     ap.add_argument("--permute", action="store_true", help="also run the permute section first")
     ap.add_argument("--swiglu-shapes", default="v2lite,tiny")
+    ap.add_argument("--hlo-dir", default=None)
     ap.add_argument("--sort-timing", action="store_true",
                     help="first: device time of the routing sorts (chained in one program)")
     ap.add_argument("--configs", default="", help="comma list of " + ",".join(CONFIG_CHOICES))
     args = ap.parse_args()
     global CONFIGS
     CONFIGS = [(c, CONFIG_CHOICES[c]) for c in args.configs.split(",") if c]
-    global SWIGLU_SHAPES
+    global SWIGLU_SHAPES, HLO_DIR
+    HLO_DIR = args.hlo_dir
     SWIGLU_SHAPES = tuple(args.swiglu_shapes.split(","))
     if args.quick:
         global REPS
