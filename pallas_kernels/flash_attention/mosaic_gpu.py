@@ -8,8 +8,6 @@ Maths: FlashAttention-2 online softmax and its backward (Dao 2023, arXiv 2307.08
 with the FlashAttention-3 layout (Shah et al. 2024, arXiv 2407.08608, sec. 3.1): one TMA
 producer warpgroup, two consumer warpgroups that each own a 64-row tile, a "ping-pong" schedule
 barrier in the forward pass. Softmax runs in base 2: s2 = s * scale * log2(e), lse2 = m2 + log2(l).
-The backward is one fused kernel over key tiles (S, P, dP, dS computed once; dK, dV in
-registers; dQ accumulated in fp32 global memory by TMA reduce-adds, then scaled and cast).
 
 Masking: the wrapper computes, for every 64-row tile, the range of column blocks that can hold
 an unmasked entry [lo, hi) and the sub-range that needs no element mask [mlo, mhi) (causal,
@@ -39,41 +37,36 @@ _M_INIT = -1e30                       # finite running-max start: no inf - inf o
 @dataclasses.dataclass(frozen=True)
 class Config:
     """Tile sizes. Rows per compute warpgroup are 64 (one wgmma M tile); two warpgroups per CTA."""
-    block_q: int = 64        # forward: query rows per warpgroup
+    block_q: int = 64        # forward / dq: query rows per warpgroup
     block_kv: int = 128      # forward: keys per pipeline step
     stages: int = 2          # forward: K/V pipeline depth
-    block_kv_bwd: int = 64   # backward: key rows per warpgroup
-    block_q_bwd: int = 64    # backward: query rows per pipeline step
-    stages_bwd: int = 2      # backward: Q/dO pipeline depth
-    dq_cols: int = 64        # backward: dQ columns per wgmma
-    dq_one_wg: bool = False  # backward: warpgroup 0 computes all of dQ through one chunk buffer
+    block_kv_dq: int = 64    # dq kernel: keys per step
+    block_kv_dkv: int = 64   # dkv kernel: key rows per warpgroup
+    block_q_dkv: int = 64    # dkv kernel: query rows per step
+    stages_bwd: int = 2
 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SMEM_BYTES = 225 * 1024    # of the H100/H200's 227 KiB per block, leaving room for barriers
+SMEM_BYTES = 220 * 1024    # of the H100/H200's 227 KiB per block, leaving room for barriers
 
 
 def smem_bytes(Dqk, Dv, cfg: Config):
-    """Shared memory (bytes, 2-byte inputs) of the forward and the fused backward kernel."""
+    """Shared memory (bytes, 2-byte inputs) of the forward, dq and dkv kernels."""
     qo = Dqk if Dv <= Dqk else Dqk + Dv      # O reuses Q's buffer when it fits
     fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
-    bwd = ((2 * cfg.block_kv_bwd + cfg.stages_bwd * cfg.block_q_bwd) * (Dqk + Dv) * 2
-           + 2 * cfg.block_kv_bwd * cfg.block_q_bwd * 2      # dS^T of both warpgroups
-           + cfg.block_q_bwd * (cfg.dq_cols if cfg.dq_one_wg else Dqk) * 4)   # fp32 dQ staging
-    return fwd, bwd
+    dq = (2 * cfg.block_q + cfg.stages_bwd * cfg.block_kv_dq) * (Dqk + Dv) * 2
+    dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
+    return fwd, dq, dkv
 
 
 def default_config(Dqk, Dv) -> Config:
-    """Largest tiles that fit shared memory: 128-key forward steps and a 2-deep backward
-    pipeline with a full-width dQ staging buffer up to Dqk + Dv = 320 (MLA 192/128); for 256/256
-    64-key forward steps, a 1-deep backward pipeline and dQ through one 64-column buffer."""
+    """Largest tiles that fit shared memory: 128-key forward steps and 2-deep backward
+    pipelines up to Dqk + Dv = 320 (MLA 192/128); 64-key steps / 1-deep backward for 256/256."""
     cfg = Config()
     if smem_bytes(Dqk, Dv, cfg)[0] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, block_kv=64)
-    if smem_bytes(Dqk, Dv, cfg)[1] > SMEM_BYTES:
+    if max(smem_bytes(Dqk, Dv, cfg)[1:]) > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, stages_bwd=1)
-    if smem_bytes(Dqk, Dv, cfg)[1] > SMEM_BYTES:
-        cfg = dataclasses.replace(cfg, dq_one_wg=True)
     return cfg
 
 
@@ -93,9 +86,7 @@ def check_supported(q, k, v, cfg: Config | None = None):
     need = smem_bytes(Dqk, Dv, cfg)
     if max(need) > SMEM_BYTES:
         raise ValueError(f"Dqk={Dqk}, Dv={Dv} with {cfg}: needs {max(need)} bytes of shared memory"
-                         f" (fwd, bwd = {need}); the limit is {SMEM_BYTES}")
-    if Dqk % cfg.dq_cols:
-        raise ValueError(f"Dqk={Dqk} is not a multiple of cfg.dq_cols={cfg.dq_cols}")
+                         f" (fwd, dq, dkv = {need}); the limit is {SMEM_BYTES}")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,7 +124,7 @@ def _tile_ranges(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q, T, 
         k_lo, k_hi = r * row_block, r * row_block + row_block - 1
         q_lo, q_hi = c * col_block, c * col_block + col_block - 1
         q_real, k_real = q_lo < T, k_lo < S
-        no_pad = k_hi < S        # padded keys must be masked: their dS would reach dQ
+        no_pad = jnp.ones_like(k_real)
     nonempty = q_real & k_real
     full = no_pad
     if causal:
@@ -219,9 +210,7 @@ def _iota(shape, dim):
 
 
 def _tiled(shape, dtype):
-    """SMEM ref in the (8 rows, 128 bytes) tiled, 128-byte swizzled layout of TMA and wgmma."""
-    cols = 128 // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, cols)),
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
                                                 plgpu.SwizzleTransform(128)))
 
 
@@ -401,212 +390,232 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
 
 
 # ----------------------------------------------------------------------------------------------
-# Backward: one fused kernel (rows = key tiles; dQ by TMA reduce-adds into fp32 global memory).
+# Backward: dq kernel (rows = query tiles) and dk/dv kernel (rows = key tiles).
 # ----------------------------------------------------------------------------------------------
 
-def _dq_split(Dqk, cfg: Config):
-    """dQ columns per compute warpgroup, as (first chunk, number of chunks) in units of
-    cfg.dq_cols for wg 0 and wg 1: wg 0 takes the larger half (MLA 192: 128 + 64 columns), or
-    everything when cfg.dq_one_wg (256/256, where shared memory holds one staging chunk only)."""
-    n = Dqk // cfg.dq_cols
-    n0 = n if cfg.dq_one_wg else -(-n // 2)
-    return (0, n0), (n0, n - n0)
-
-
-def _wgmma_regs(acc_ref, a, b, *, stage):
-    """Issue acc_ref += a @ b without waiting, `a` a register array. Under GPU interpret mode
-    (stage: an SMEM ref) `a` goes through `stage`, as interpret mode reads wgmma operands from
-    SMEM only; compiled (stage None) it is wgmma's A-from-registers form."""
-    if stage is not None:
-        stage[...] = a
-        a = stage
-    plgpu.wgmma(acc_ref, a, b)
-
-
-def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_acc, *,
-                     scale, causal, S, cfg: Config, interpret):
-    """Fused FlashAttention backward (FA2 Alg. 2 with FA3's dQ accumulation, arXiv 2407.08608
-    sec. 3.1): per CTA 2 x block_kv_bwd keys of one kv head; each compute warpgroup keeps dK, dV
-    of its 64 keys in wgmma accumulators and streams (Q, dO) tiles of all G query heads of that
-    kv head through a TMA pipeline, computing S, P, dP and dS once per tile:
-
-      dV += P^T dO,   dS = P * (dP - dlt),   dK += dS^T Q,   dQ[t] += dS K   (scale applied later)
-
-    The dV and dK products run asynchronously under the dS arithmetic and the dS^T store. The
-    two warpgroups exchange dS^T through shared memory; each then computes a column slice of the
-    CTA's dQ tile over all 2 x 64 keys and adds it to `dq_acc` (fp32 [B, Tp, N, Dqk], a mutable
-    ref, zero on entry) with one TMA reduce-add per step (compiled) or a plain read-modify-write
-    (GPU interpret mode, which runs CTAs one after another and has no TMA reductions in
-    jax 0.11.2).
-
-    Returns dk [B, Sp, K, Dqk] = scale * sum dS^T q, dv [B, Sp, K, Dv] = sum P^T dO (q.dtype),
-    summed over the G query heads of each kv head inside the kernel; writes dq_acc = dS k.
-    """
+def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
+                    causal, S, cfg: Config, interpret):
+    """dq [B, Tp, N, Dqk] = scale * sum_s dS[t, s] k[s], dS = P * (dP - dlt) (FA2 Alg. 2)."""
     B, Tp, N, Dqk = q.shape
     Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
     G = N // K
-    bkv, bq, stages, dqc = cfg.block_kv_bwd, cfg.block_q_bwd, cfg.stages_bwd, cfg.dq_cols
+    bq, bkv, stages = cfg.block_q, cfg.block_kv_dq, cfg.stages_bwd
     dtype = q.dtype
     has_seg = q_seg is not None
     c2 = scale * LOG2E
-    split = _dq_split(Dqk, cfg)
-    # Staging columns per warpgroup: all of its dQ columns (one reduce-add per step), or one
-    # chunk reused chunk by chunk when shared memory is short (cfg.dq_one_wg).
-    st_cols = [(dqc if cfg.dq_one_wg else n * dqc) if n else 0 for _, n in split]
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
-               kseg_ref, dq_ref, dk_ref, dv_ref, scoped):
+               kseg_ref, dq_ref, scoped):
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        qt = lax.axis_index("qt")
+        wg = lax.axis_index("wg")
+        (q_smems, do_smems, k_smems, v_smems, stage_smems), (k_bar, v_bar, q_bar, do_bar), \
+            (k_cons, v_cons) = scoped
+        L = ctab_ref[b, qt, 0]
+        H = ctab_ref[b, qt, 1]
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            tile = 2 * qt + wg
+            q_base = tile * bq
+            q_smem, do_smem = q_smems.at[wg], do_smems.at[wg]
+            stage = None if stage_smems is None else stage_smems.at[wg]
+            qs = pl.ds(q_base, bq)
+            plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smem, do_bar.at[wg])
+            lo, mlo, mhi, hi = (wgb_ref[b, tile, i] for i in range(4))
+            dl = dl_ref[0]
+            lse = plgpu.load(lse_ref.at[b, h, qs], layout=_ROW, optimized=False)
+            dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_ROW, optimized=False)
+            if has_seg:
+                qseg = plgpu.load(qseg_ref.at[b, qs], layout=_ROW, optimized=False)
+            dq = plgpu.layout_cast(jnp.zeros((bq, Dqk), jnp.float32), _WGMMA)
+            plgpu.barrier_wait(q_bar.at[wg])
+            plgpu.barrier_wait(do_bar.at[wg])
+
+            def step(ki, dq, *, masked):
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                s = _mm(q_smem, k_smems.at[slot].T, (bq, bkv), interpret=interpret)
+                p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                if masked:
+                    kv_pos = ki * bkv + _iota((bq, bkv), 1)
+                    ok = kv_pos < S
+                    if causal:
+                        ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
+                    if has_seg:
+                        kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=_COL,
+                                          optimized=False)
+                        ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
+                                   == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
+                    p = jnp.where(ok, p, 0.0)
+                plgpu.barrier_wait(v_bar.at[slot])
+                dp = _mm(do_smem, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
+                plgpu.barrier_arrive(v_cons.at[slot])
+                ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
+                dq = _mm(ds.astype(dtype), k_smems.at[slot], (bq, Dqk), dq, interpret=interpret,
+                         stage=stage, a_in_regs=True)
+                plgpu.barrier_arrive(k_cons.at[slot])
+                return dq
+
+            def skip(ki):
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_arrive(v_cons.at[slot])
+                plgpu.barrier_arrive(k_cons.at[slot])
+
+            dq = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, dq)
+            q_smem[...] = (dq * scale).astype(dtype)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, qs, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(40, action="decrease")
+            kvh = lax.div(h, jnp.int32(G))
+
+            def load(ki, slot):
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+
+            for i in range(stages):
+                @pl.when(L + i < H)
+                def _():
+                    load(L + i, i)
+
+            @pl.loop(L + stages, H)
+            def _(ki):
+                slot = lax.rem(ki - L, stages)
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+
+            @pl.loop(jnp.maximum(H - stages, L), H)
+            def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_cons.at[slot])
+                plgpu.barrier_wait(v_cons.at[slot])
+
+    def entry(*refs):
+        stage = plgpu.SMEM((2, bq, bkv), dtype) if interpret else None
+        smems = (_tiled((2, bq, Dqk), dtype), _tiled((2, bq, Dv), dtype),
+                 _tiled((stages, bkv, Dqk), dtype), _tiled((stages, bkv, Dv), dtype), stage)
+        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
+        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
+                      collective_axes="wg")
+
+    seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
+    return plgpu.kernel(
+        entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(N, Tp // (2 * bq), B),
+        grid_names=("h", "qt", "b"), num_threads=3, thread_name="wg",
+        compiler_params=_compiler_params(), interpret=interpret,
+    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
+
+
+def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
+                     causal, cfg: Config, interpret):
+    """dk [B, Sp, K, Dqk] = scale * sum_{g, t} dS^T k-row, dv [B, Sp, K, Dv] = sum P^T dO, summed
+    over the G query heads of each kv head inside the kernel (FA2 Alg. 2, transposed tiles)."""
+    B, Tp, N, Dqk = q.shape
+    Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
+    G = N // K
+    bkv, bq, stages = cfg.block_kv_dkv, cfg.block_q_dkv, cfg.stages_bwd
+    dtype = q.dtype
+    has_seg = q_seg is not None
+    c2 = scale * LOG2E
+
+    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
+               kseg_ref, dk_ref, dv_ref, scoped):
         b = lax.axis_index("b")
         kvh = lax.axis_index("h")
         kt = lax.axis_index("kt")
         wg = lax.axis_index("wg")
-        (k_smems, v_smems, q_smems, do_smems, ds_smems, dq_stages, stage_smems), \
-            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons, ds_ready, ds_free) = scoped
+        (k_smems, v_smems, q_smems, do_smems, stage_smems), (q_bar, do_bar, k_bar, v_bar), \
+            (q_cons, do_cons) = scoped
         L = ctab_ref[b, kt, 0]
         H = ctab_ref[b, kt, 1]
         n_c = H - L
         n_c1 = jnp.maximum(n_c, 1)
 
-        def compute(w, dk_acc, dv_acc):
-            """Compute warpgroup w (a Python int, so its dQ column slice is static): accumulate
-            its dK, dV (unscaled) in dk_acc, dv_acc and its share of dQ in dq_ref."""
-            tile = 2 * kt + w
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(232, action="increase")
+            tile = 2 * kt + wg
             kv_base = tile * bkv
             ks = pl.ds(kv_base, bkv)
-            k_smem, v_smem, ds_smem = k_smems.at[w], v_smems.at[w], ds_smems.at[w]
-            stage = None if stage_smems is None else stage_smems.at[w]
-            dq_stage = None if dq_stages is None else dq_stages[w]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smem, k_bar.at[w])
-            plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smem, v_bar.at[w])
+            k_smem, v_smem = k_smems.at[wg], v_smems.at[wg]
+            stage = None if stage_smems is None else stage_smems.at[wg]
+            plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smem, k_bar.at[wg])
+            plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smem, v_bar.at[wg])
             lo, mlo, mhi, hi = (wgb_ref[b, tile, i] for i in range(4))
             dl = dl_ref[0]
             if has_seg:
                 kseg = plgpu.load(kseg_ref.at[b, ks], layout=_ROW, optimized=False)
-            plgpu.barrier_wait(k_bar.at[0])      # dQ reads both warpgroups' K tiles
-            plgpu.barrier_wait(k_bar.at[1])
-            plgpu.barrier_wait(v_bar.at[w])
-            plgpu.barrier_arrive(ds_free)        # dS buffers start free
-            c_start, n_chunks = split[w]
+            dk = plgpu.layout_cast(jnp.zeros((bkv, Dqk), jnp.float32), _WGMMA)
+            dv = plgpu.layout_cast(jnp.zeros((bkv, Dv), jnp.float32), _WGMMA)
+            plgpu.barrier_wait(k_bar.at[wg])
+            plgpu.barrier_wait(v_bar.at[wg])
 
-            def dq_update(h, c, slot):
-                """Both dS^T tiles are in SMEM: add this warpgroup's dQ columns of tile c. Waits
-                for every wgmma in flight (the dK product too), so Q[slot] is released here."""
-                plgpu.barrier_arrive(ds_ready)
-                plgpu.barrier_wait(ds_ready)
-                qs = pl.ds(c * bq, bq)
-                if n_chunks == 0:
-                    plgpu.wgmma_wait(0)
-                    plgpu.barrier_arrive(q_cons.at[slot])
-                    plgpu.barrier_arrive(ds_free)
-                    return
-                if interpret is None and not cfg.dq_one_wg:
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # last step's reduce-add
-                for j in range(n_chunks):
-                    cols = pl.ds((c_start + j) * dqc, dqc)
-
-                    def body(acc_ref):
-                        for i in range(2):
-                            plgpu.wgmma(acc_ref, ds_smems.at[i].T, k_smems.at[i, :, cols])
-                        return acc_ref[...]
-                    part = pl.run_scoped(body, plgpu.ACC((bq, dqc), jnp.float32))
-                    if j == 0:
-                        plgpu.barrier_arrive(q_cons.at[slot])
-                    if j == n_chunks - 1:
-                        plgpu.barrier_arrive(ds_free)
-                    if interpret is not None:
-                        dq_ref[b, qs, h, cols] = dq_ref[b, qs, h, cols] + part
-                    elif cfg.dq_one_wg:
-                        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        dq_stage[...] = part
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(dq_stage, dq_ref.at[b, qs, h, cols],
-                                                reduction_op="add")
-                    else:
-                        dq_stage[:, pl.ds(j * dqc, dqc)] = part
-                if interpret is None and not cfg.dq_one_wg:
-                    plgpu.commit_smem()
-                    plgpu.copy_smem_to_gmem(
-                        dq_stage, dq_ref.at[b, qs, h, pl.ds(c_start * dqc, n_chunks * dqc)],
-                        reduction_op="add")
-
-            def head(g, _):
+            def head(g, carry):
                 h = kvh * G + g
 
                 def step(c, carry, *, masked):
+                    dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
                     qs = pl.ds(c * bq, bq)
-                    # Global loads first: their latency hides under the Q wait and S product.
-                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
-                    dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
-                    if masked and has_seg:
-                        qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
                     plgpu.barrier_wait(q_bar.at[slot])
-
-                    def s_mm(acc_ref):
-                        plgpu.wgmma(acc_ref, k_smem, q_smems.at[slot].T)
-                        return acc_ref[...]
-                    sT = pl.run_scoped(s_mm, plgpu.ACC((bkv, bq), jnp.float32))
+                    sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret)
+                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
                     if masked:
-                        kv_pos = kv_base + _iota((bkv, bq), 0)
-                        ok = kv_pos < S
+                        ok = None
                         if causal:
-                            ok = ok & (kv_pos <= c * bq + _iota((bkv, bq), 1) + dl)
+                            ok = (kv_base + _iota((bkv, bq), 0)) <= (c * bq + _iota((bkv, bq), 1) + dl)
                         if has_seg:
-                            ok = ok & (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
-                                       == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
-                        pT = jnp.where(ok, pT, 0.0)
+                            qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
+                            same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
+                                    == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
+                            ok = same if ok is None else ok & same
+                        if ok is not None:
+                            pT = jnp.where(ok, pT, 0.0)
                     plgpu.barrier_wait(do_bar.at[slot])
-
-                    def dp_mm(acc_ref):   # dP^T = V dO^T; dV += P^T dO left in flight
-                        plgpu.wgmma(acc_ref, v_smem, do_smems.at[slot].T)
-                        _wgmma_regs(dv_acc, pT.astype(dtype), do_smems.at[slot], stage=stage)
-                        return plgpu.wgmma_accumulator_load(acc_ref, wait_n=1)
-                    dpT = pl.run_scoped(dp_mm, plgpu.ACC((bkv, bq), jnp.float32))
-                    dsT = (pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))).astype(dtype)
-                    _wgmma_regs(dk_acc, dsT, q_smems.at[slot], stage=stage)
-                    plgpu.barrier_wait(ds_free)
-                    ds_smem[...] = dsT
-                    plgpu.commit_smem()
-                    plgpu.wgmma_wait(1)              # dV done: dO[slot] is free
+                    dv = _mm(pT.astype(dtype), do_smems.at[slot], (bkv, Dv), dv,
+                             interpret=interpret, stage=stage, a_in_regs=True)
+                    dpT = _mm(v_smem, do_smems.at[slot].T, (bkv, bq), interpret=interpret)
                     plgpu.barrier_arrive(do_cons.at[slot])
-                    dq_update(h, c, slot)
-                    return carry
+                    dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
+                    dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
+                             interpret=interpret, stage=stage, a_in_regs=True)
+                    plgpu.barrier_arrive(q_cons.at[slot])
+                    return dk, dv
 
-                def skip(c):   # this warpgroup's keys see none of tile c; the other's may
+                def skip(c):
                     slot = lax.rem(g * n_c + c - L, stages)
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(do_bar.at[slot])
                     plgpu.barrier_arrive(do_cons.at[slot])
-                    plgpu.barrier_wait(ds_free)
-                    ds_smem[...] = plgpu.layout_cast(jnp.zeros((bkv, bq), dtype), _WGMMA)
-                    plgpu.commit_smem()
-                    dq_update(h, c, slot)
+                    plgpu.barrier_arrive(q_cons.at[slot])
 
-                return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, None)
+                return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry)
 
-            lax.fori_loop(0, G, head, None)
-            plgpu.barrier_wait(ds_free)   # the other warpgroup no longer reads this K tile
-
-        def compute_wg(w):
-            plgpu.set_max_registers(232, action="increase")
-
-            def run(dk_acc, dv_acc):
-                compute(w, dk_acc, dv_acc)
-                return dk_acc[...], dv_acc[...]
-            dk, dv = pl.run_scoped(
-                run, plgpu.ACC((bkv, Dqk), jnp.float32), plgpu.ACC((bkv, Dv), jnp.float32))
-            ks = pl.ds((2 * kt + w) * bkv, bkv)
-            k_smem, v_smem = k_smems.at[w], v_smems.at[w]
+            dk, dv = lax.fori_loop(0, G, head, (dk, dv))
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, ks, kvh])
             plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, ks, kvh])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        pl.when(wg == 0)(lambda: compute_wg(0))
-        pl.when(wg == 1)(lambda: compute_wg(1))
 
         @pl.when(wg == 2)
         def _memory():
@@ -646,17 +655,13 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
 
     def entry(*refs):
         stage = plgpu.SMEM((2, bkv, bq), dtype) if interpret else None
-        dq_st = None if interpret else tuple(
-            _tiled((bq, n), jnp.float32) if n else None for n in st_cols)
-        smems = (_tiled((2, bkv, Dqk), dtype),
-                 _tiled((2, bkv, Dv), dtype), _tiled((stages, bq, Dqk), dtype),
-                 _tiled((stages, bq, Dv), dtype), _tiled((2, bkv, bq), dtype), dq_st, stage)
+        smems = (_tiled((2, bkv, Dqk), dtype), _tiled((2, bkv, Dv), dtype),
+                 _tiled((stages, bq, Dqk), dtype), _tiled((stages, bq, Dv), dtype), stage)
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
-        syncs = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                 plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=2))
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, syncs,
+        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
                       collective_axes="wg")
 
     seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
@@ -664,13 +669,13 @@ def _bwd_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         entry, out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         grid=(K, Sp // (2 * bkv), B), grid_names=("h", "kt", "b"), num_threads=3,
         thread_name="wg", compiler_params=_compiler_params(), interpret=interpret,
-    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args, dq_acc)
+    )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
 
 
 def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, interpret):
     """dq, dk, dv from the forward residuals. dlse (cotangent of the natural lse) enters as
     dS = P * (dP - (rowsum(o * do) - dlse))."""
-    B, T, N, Dqk = q.shape
+    B, T, N, _ = q.shape
     qp, kp, vp, q_seg, kv_seg, delta, T, S, Tp, Sp = _prepare(q, k, v, segs, offsets,
                                                               causal=causal, cfg=cfg)
     dlt = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
@@ -680,15 +685,19 @@ def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, 
     lse_b = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)     # fully masked rows: P = 0
     lse_b = _pad_to(lse_b, 2, Tp, value=jnp.inf)              # padded rows: P = 0
     dop = _pad_to(do.astype(q.dtype), 1, Tp)
-    wgb, ctab = _tile_ranges(B=B, n_rows_p=Sp, row_block=cfg.block_kv_bwd, n_cols_p=Tp,
-                             col_block=cfg.block_q_bwd, rows_are_q=False, T=T, S=S,
-                             causal=causal, delta=delta[0], q_seg=q_seg, kv_seg=kv_seg)
-    dq_acc = jax.new_ref(jnp.zeros((B, Tp, N, Dqk), jnp.float32))
-    dk, dv = _bwd_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb, ctab, delta, q_seg, kv_seg,
-                              dq_acc, scale=scale, causal=causal, S=S, cfg=cfg,
-                              interpret=interpret)
-    dq = (dq_acc[...][:, :T] * scale).astype(q.dtype)
-    return dq, dk[:, :S], dv[:, :S]
+    wgb, ctab = _fwd_ranges(B, Tp, Sp, T, S, causal, delta, q_seg, kv_seg, cfg, cfg.block_kv_dq)
+    dq = _dq_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb, ctab, delta, q_seg, kv_seg,
+                         scale=scale, causal=causal, S=S, cfg=cfg, interpret=interpret)
+    if interpret is not None:
+        # GPU interpret mode keeps global simulator state: run the two kernels one after the
+        # other (under jit, XLA:CPU could otherwise run them concurrently and hang).
+        dq, qp = lax.optimization_barrier((dq, qp))
+    wgb2, ctab2 = _tile_ranges(B=B, n_rows_p=Sp, row_block=cfg.block_kv_dkv, n_cols_p=Tp,
+                               col_block=cfg.block_q_dkv, rows_are_q=False, T=T, S=S,
+                               causal=causal, delta=delta[0], q_seg=q_seg, kv_seg=kv_seg)
+    dk, dv = _dkv_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb2, ctab2, delta, q_seg, kv_seg,
+                              scale=scale, causal=causal, cfg=cfg, interpret=interpret)
+    return dq[:, :T], dk[:, :S], dv[:, :S]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -712,7 +721,7 @@ def _prepare(q, k, v, segs, offsets, *, causal, cfg):
     B, T, N, _ = q.shape
     S = k.shape[1]
     tile_t = 2 * cfg.block_q
-    tile_s = max(cfg.block_kv, 2 * cfg.block_kv_bwd)
+    tile_s = max(cfg.block_kv, 2 * cfg.block_kv_dkv, cfg.block_kv_dq)
     Tp, Sp = _round_up(T, tile_t), _round_up(S, tile_s)
     qp, kp, vp = _pad_to(q, 1, Tp), _pad_to(k, 1, Sp), _pad_to(v, 1, Sp)
     delta = (jnp.asarray(offsets[0], jnp.int32) - jnp.asarray(offsets[1], jnp.int32)).reshape(1)
