@@ -573,16 +573,19 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
                     qs = pl.ds(c * bq, bq)
+                    # Issued before the Q wait so that their latency hides under the S product
+                    # (dlt stays after dP: loaded earlier it would raise the register peak).
+                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    if masked and has_seg:
+                        qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
                     plgpu.barrier_wait(q_bar.at[slot])
                     sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret)
-                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
                     if masked:
                         ok = None
                         if causal:
                             ok = (kv_base + _iota((bkv, bq), 0)) <= (c * bq + _iota((bkv, bq), 1) + dl)
                         if has_seg:
-                            qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
                             same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
                                     == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
                             ok = same if ok is None else ok & same
