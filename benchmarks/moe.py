@@ -44,6 +44,7 @@ CONFIG_CHOICES = {  # --configs: gmm forward variants timed side by side at the 
     "m-fixed": mosaic_gpu.TileConfig(aligned=False),
 }
 CONFIGS = []
+FB_ONLY = False  # --fb-only: only the gate/up GEMM fwd+bwd under both dx configs
 HLO_DIR = None  # --hlo-dir: write the optimized HLO of the layer fwd+bwd programs there
 CHAIN = 10  # sorts per program in the routing-sort device timing
 SWIGLU_SHAPES = ("v2lite", "tiny")  # --swiglu-shapes: where the fused gate/up+SwiGLU is timed
@@ -171,6 +172,19 @@ def run_shape(name, s, rows, sweep, tok):
         if tok is not None:
             tk = jax.jit(tok)(xs, w_gu, gs)
             print(f"[{name}] ours vs tokamax fwd rel diff {rel(out, tk):.2e}", flush=True)
+    if FB_ONLY:  # gate/up GEMM and layer fwd+bwd only, for each transposed-GEMM config
+        for label, tcfg in (("dx rows split", mosaic_gpu.TileConfig(wg_split="m")),
+                            ("dx columns split", mosaic_gpu.TileConfig(wg_split="n"))):
+            mosaic_gpu.TRANSPOSED_CONFIG = tcfg
+
+            def fb1(label=label):
+                def step(a, b, g, d):
+                    out, vjp = jax.vjp(lambda a, b: api.grouped_matmul(a, b, g, impl="pallas"), a, b)
+                    return out, vjp(d)
+                add("gemm", f"ours, {label}", "fwd+bwd", bench(jax.jit(step), xs, w_gu, gs, dy),
+                    3 * gemm_flops)
+            attempt(f"fb {label}", fb1)
+        return
     n_rows = len(rows)
     attempt("check", check)
     if any(str(r.get("note", "")).startswith("FAILED") for r in rows[n_rows:]):
@@ -449,14 +463,16 @@ def main():
     ap.add_argument("--permute", action="store_true", help="also run the permute section first")
     ap.add_argument("--swiglu-shapes", default="v2lite,tiny")
     ap.add_argument("--hlo-dir", default=None)
+    ap.add_argument("--fb-only", action="store_true")
     ap.add_argument("--sort-timing", action="store_true",
                     help="first: device time of the routing sorts (chained in one program)")
     ap.add_argument("--configs", default="", help="comma list of " + ",".join(CONFIG_CHOICES))
     args = ap.parse_args()
     global CONFIGS
     CONFIGS = [(c, CONFIG_CHOICES[c]) for c in args.configs.split(",") if c]
-    global SWIGLU_SHAPES, HLO_DIR
+    global SWIGLU_SHAPES, HLO_DIR, FB_ONLY
     HLO_DIR = args.hlo_dir
+    FB_ONLY = args.fb_only
     SWIGLU_SHAPES = tuple(args.swiglu_shapes.split(","))
     if args.quick:
         global REPS
