@@ -573,8 +573,9 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
                     qs = pl.ds(c * bq, bq)
-                    # Issued before the Q wait so that their latency hides under the S product
-                    # (dlt stays after dP: loaded earlier it would raise the register peak).
+                    # Issued before the Q wait, off the S product's path (measured: no change
+                    # on the H200, RESULTS.md v2); dlt stays after dP: loaded earlier it would
+                    # raise the register peak.
                     lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     if masked and has_seg:
                         qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
