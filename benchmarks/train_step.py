@@ -6,7 +6,8 @@ Model: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank 512, nope/ro
 64 routed experts top-6, 2 shared, moe_intermediate 1408, intermediate 10944,
 first_k_dense_replace 1; bf16 compute, fp32 master weights, AdamW. dsjax runs on every local
 device (global batch = batch x devices); the HF peer (transformers DeepseekV2ForCausalLM, bf16
-autocast over fp32 weights, AdamW) runs in a subprocess on one GPU, eager and torch.compile.
+autocast over fp32 weights, or bf16 weights; fused AdamW) runs in a subprocess on one GPU,
+eager or torch.compile. `--breakdown` also times dsjax's forward and forward+backward alone.
 Prints tokens/s per device and MFU (6 x active params + attention FLOPs per token).
 """
 from __future__ import annotations
@@ -54,6 +55,25 @@ def run_dsjax(args) -> dict:
     batch = {"inputs": jnp.asarray(toks[..., :-1]), "targets": jnp.asarray(toks[..., 1:]),
              "loss_mask": jnp.ones((1, B, T), jnp.float32), "segment_ids": jnp.ones((1, B, T), jnp.int32),
              "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, B, T))}
+    breakdown = {}
+    if args.breakdown:  # forward alone and forward+backward alone (no optimizer), same model
+        from dsjax.train.step import cross_entropy
+
+        mb = jax.tree.map(lambda x: x[0], batch)
+
+        def loss(p):
+            model = fns.merge(p, state["rest"])
+            h, _ = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
+            return cross_entropy(model.logits(h), mb["targets"], mb["loss_mask"])[0] / (B * T)
+
+        for name, fn in (("fwd_ms", jax.jit(loss)), ("fwd_bwd_ms", jax.jit(jax.grad(loss)))):
+            jax.block_until_ready(fn(state["params"]))
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                out = fn(state["params"])
+            jax.block_until_ready(out)
+            breakdown[name] = (time.perf_counter() - t0) / args.steps * 1e3
+            del out
     t0 = time.perf_counter()
     state, m = step(state, batch)
     jax.block_until_ready(m["loss"])
@@ -70,13 +90,14 @@ def run_dsjax(args) -> dict:
     return {"impl": f"dsjax attn={args.attention_impl} moe={args.moe_impl} remat={args.remat}",
             "devices": n_dev, "step_ms": dt * 1e3, "tokens_per_s_per_device": tps / n_dev,
             "tflops_per_device": tps * ftok / n_dev / 1e12, "compile_s": compile_s,
-            "loss": float(m["loss"]), "device": jax.devices()[0].device_kind}
+            "loss": float(m["loss"]), "device": jax.devices()[0].device_kind, **breakdown}
 
 
 HF_SCRIPT = r"""
 import json, sys, time, torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
-L, B, T, steps, compile_ = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+L, B, T, steps, compile_, bf16 = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]),
+                                  sys.argv[5] == "1", sys.argv[6] == "1")
 cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
     num_hidden_layers=L, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
@@ -84,10 +105,12 @@ cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10
     rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
 model = DeepseekV2ForCausalLM(cfg).cuda()
+if bf16:  # bf16 weights and Adam state, no autocast
+    model = model.to(torch.bfloat16)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 x = torch.randint(0, 102400, (B, T + 1), device="cuda")
 def step():
-    with torch.autocast("cuda", dtype=torch.bfloat16):
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=not bf16):
         loss = model(input_ids=x[:, :-1], labels=x[:, 1:]).loss
     loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
     return loss
@@ -97,16 +120,19 @@ for _ in range(3): step()
 torch.cuda.synchronize(); t0 = time.perf_counter()
 for _ in range(steps): l = step()
 torch.cuda.synchronize(); dt = (time.perf_counter() - t0) / steps
-print(json.dumps({"impl": "HF transformers " + ("torch.compile" if compile_ else "eager"), "devices": 1,
+print(json.dumps({"impl": "HF transformers " + ("torch.compile" if compile_ else "eager")
+                  + (", bf16 weights" if bf16 else ", autocast fp32 weights"), "devices": 1,
                   "step_ms": dt * 1e3, "tokens_per_s_per_device": B * T / dt, "loss": float(l)}))
 """
 
 
-def run_hf(args, compile_: bool) -> dict:
+def run_hf(args, compile_: bool, bf16: bool) -> dict:
     r = subprocess.run([sys.executable, "-c", HF_SCRIPT, str(args.layers), str(args.batch), str(args.seq),
-                        str(args.steps), "1" if compile_ else "0"], capture_output=True, text=True, timeout=900)
+                        str(args.steps), "1" if compile_ else "0", "1" if bf16 else "0"],
+                       capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
-        return {"impl": f"HF transformers {'torch.compile' if compile_ else 'eager'}", "error": r.stderr[-300:]}
+        return {"impl": f"HF transformers {'torch.compile' if compile_ else 'eager'}"
+                        f"{' bf16' if bf16 else ''}", "error": r.stderr[-300:]}
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
@@ -119,23 +145,29 @@ def main() -> None:
     p.add_argument("--remat", default="none")
     p.add_argument("--attention-impl", default="auto")
     p.add_argument("--moe-impl", default="auto")
-    p.add_argument("--peers", default="", help="comma list: hf, hf_compile")
+    p.add_argument("--peers", default="", help="comma list: hf, hf_bf16, hf_compile, hf_compile_bf16")
+    p.add_argument("--breakdown", action="store_true", help="also time dsjax forward and forward+backward alone")
     args = p.parse_args()
     rows = []
     for peer in [x for x in args.peers.split(",") if x]:  # peers first: JAX preallocates GPU memory
-        rows.append(run_hf(args, compile_=peer == "hf_compile"))
+        if peer not in ("hf", "hf_bf16", "hf_compile", "hf_compile_bf16"):
+            p.error(f"--peers: unknown peer {peer!r}")
+        rows.append(run_hf(args, compile_="compile" in peer, bf16=peer.endswith("bf16")))
     try:
         rows.insert(0, run_dsjax(args))
     except Exception as e:  # report, keep the peers' rows
         rows.insert(0, {"impl": "dsjax", "error": f"{type(e).__name__}: {str(e)[:300]}"})
     print(f"\nV2-Lite geometry, {args.layers} layers, batch {args.batch} x {args.seq} per device, bf16")
-    print(f"{'impl':<48} {'dev':>4} {'step ms':>9} {'tok/s/dev':>11} {'TFLOP/s/dev':>12}")
+    print(f"{'impl':<56} {'dev':>4} {'step ms':>9} {'tok/s/dev':>11} {'TFLOP/s/dev':>12}")
     for r in rows:
         if "error" in r:
-            print(f"{r['impl']:<48} ERROR {r['error']}")
+            print(f"{r['impl']:<56} ERROR {r['error']}")
             continue
         tf = f"{r['tflops_per_device']:.0f}" if "tflops_per_device" in r else "-"
-        print(f"{r['impl']:<48} {r['devices']:>4} {r['step_ms']:>9.1f} {r['tokens_per_s_per_device']:>11,.0f} {tf:>12}")
+        print(f"{r['impl']:<56} {r['devices']:>4} {r['step_ms']:>9.1f} {r['tokens_per_s_per_device']:>11,.0f} {tf:>12}")
+        if "fwd_ms" in r:
+            print(f"  dsjax breakdown: forward {r['fwd_ms']:.1f} ms, forward+backward {r['fwd_bwd_ms']:.1f} ms, "
+                  f"rest of the step (optimizer, checks) {r['step_ms'] - r['fwd_bwd_ms']:.1f} ms")
     print(json.dumps(rows))
 
 

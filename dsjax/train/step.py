@@ -136,7 +136,6 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             aux_acc = jax.tree.map(lambda a, b: a + b, aux_acc, aux)
             return (g_acc, nll_acc + nll_sum, aux_acc), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
         aux0 = {}
         if has_moe:
             L, E = mcfg.num_moe_layers, mcfg.n_routed_experts
@@ -146,8 +145,16 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             aux0["mtp_nll"] = jnp.zeros((n_mtp,))
             if mtp_noaux:
                 aux0["mtp_expert_counts"] = jnp.zeros((n_mtp, mcfg.n_routed_experts))
-        (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
-        grads = jax.tree.map(lambda g: g / scale, grads)
+        if n_accum == 1:  # no accumulator: saves a zero-fill and an add over every parameter
+            (_, (nll_sum, aux)), g = grad_fn(params, rest, jax.tree.map(lambda x: x[0], batch),
+                                             n_total, scale, n_mtp_total)
+            grads = jax.tree.map(lambda b: b.astype(jnp.float32), g)
+            aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
+        else:
+            zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+            (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
+        if fp16:
+            grads = jax.tree.map(lambda g: g / scale, grads)
         finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
         ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
         grad_norm = optax.tree.norm(grads)
