@@ -1,6 +1,13 @@
 """MoE expert-layer benchmark (GPU): ours vs jax.lax.ragged_dot, tokamax mosaic, dense GEMM.
 
 Usage: python benchmarks/moe.py [--shapes v2lite,v3] [--sweep] [--json PATH] [--permute-only]
+  [--permute] [--sort-timing] [--only-ours] [--configs n-aligned,m-aligned,v1,m-fixed]
+  [--swiglu-shapes v2lite] [--fb-only] [--hlo-dir DIR] [--quick]
+  --permute: permute section first; --sort-timing: routing sorts' device time (chained);
+  --configs: gmm forward configs timed side by side; --swiglu-shapes: where the fused
+  gate/up+SwiGLU kernel and the XLA SwiGLU passes are timed; --fb-only: only the gate/up GEMM
+  fwd+bwd under both transposed-GEMM (dx) configs; --hlo-dir: optimized HLO of the layer
+  fwd+bwd programs. Commands and results: benchmarks/RESULTS.md, "MoE".
 
 Per shape (T tokens, top-K of E experts, hidden D, expert width I; M = T*K routed rows):
   gemm  : the gate/up grouped GEMM alone, [M, D] x [E, D, 2I]            (2*M*D*2I FLOPs fwd)
