@@ -7,7 +7,8 @@ Model: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank 512, nope/ro
 first_k_dense_replace 1; bf16 compute, fp32 master weights, AdamW. dsjax runs on every local
 device (global batch = batch x devices); the HF peer (transformers DeepseekV2ForCausalLM, bf16
 autocast over fp32 weights, or bf16 weights; fused AdamW) runs in a subprocess on one GPU,
-eager or torch.compile. `--breakdown` also times dsjax's forward and forward+backward alone.
+eager or torch.compile. `--breakdown` also times dsjax's forward and forward+backward alone;
+`--profile DIR` traces three more steps and prints the device time of the top ops.
 Prints tokens/s per device and MFU (6 x active params + attention FLOPs per token).
 """
 from __future__ import annotations
@@ -85,12 +86,56 @@ def run_dsjax(args) -> dict:
         state, m = step(state, batch)
     jax.block_until_ready(m["loss"])
     dt = (time.perf_counter() - t0) / args.steps
+    if args.profile:
+        n_prof = 3
+        jax.profiler.start_trace(args.profile)
+        for _ in range(n_prof):
+            state, m = step(state, batch)
+        jax.block_until_ready(m["loss"])
+        jax.profiler.stop_trace()
+        print_profile(args.profile, n_prof, args.profile_top)
     tps = B * T / dt
     ftok = flops_per_token(cfg.model, T)
     return {"impl": f"dsjax attn={args.attention_impl} moe={args.moe_impl} remat={args.remat}",
             "devices": n_dev, "step_ms": dt * 1e3, "tokens_per_s_per_device": tps / n_dev,
             "tflops_per_device": tps * ftok / n_dev / 1e12, "compile_s": compile_s,
             "loss": float(m["loss"]), "device": jax.devices()[0].device_kind, **breakdown}
+
+
+def print_profile(trace_dir: str, n_steps: int, top: int, plane_prefix: str = "/device:GPU") -> None:
+    """Print the device time of a jax.profiler trace of `n_steps` steps, per step: busy time of
+    each GPU plane and its top `top` ops (the "XLA Ops" line where the trace has one, else the
+    kernels on all stream lines), in ms per step."""
+    import collections
+    import glob
+
+    from jax.profiler import ProfileData
+
+    paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not paths:
+        print(f"profile: no .xplane.pb under {trace_dir}")
+        return
+    pd = ProfileData.from_file(paths[-1])
+    for plane in pd.planes:
+        if not plane.name.startswith(plane_prefix):
+            continue
+        lines = list(plane.lines)
+        print(f"\nprofile {plane.name}: lines " + ", ".join(
+            f"{ln.name} ({sum(ev.duration_ns for ev in ln.events) / 1e6 / n_steps:.1f} ms/step)"
+            for ln in lines))
+        ops = ([ln for ln in lines if ln.name == "XLA Ops"] or [ln for ln in lines if "Stream" in ln.name]
+               or [ln for ln in lines if ln.name not in ("XLA Modules", "Steps")])
+        per = collections.Counter()
+        count = collections.Counter()
+        for ln in ops:
+            for ev in ln.events:
+                per[ev.name] += ev.duration_ns
+                count[ev.name] += 1
+        total = sum(per.values())
+        print(f"{'op':<70} {'ms/step':>8} {'%':>6} {'calls/step':>10}")
+        for name, ns in per.most_common(top):
+            print(f"{name[:70]:<70} {ns / 1e6 / n_steps:>8.2f} {100 * ns / total:>6.1f} {count[name] / n_steps:>10.1f}")
+        print(f"{'total':<70} {total / 1e6 / n_steps:>8.2f}")
 
 
 HF_SCRIPT = r"""
@@ -147,6 +192,8 @@ def main() -> None:
     p.add_argument("--moe-impl", default="auto")
     p.add_argument("--peers", default="", help="comma list: hf, hf_bf16, hf_compile, hf_compile_bf16")
     p.add_argument("--breakdown", action="store_true", help="also time dsjax forward and forward+backward alone")
+    p.add_argument("--profile", default="", help="trace 3 more dsjax steps into this folder and print device time per op")
+    p.add_argument("--profile-top", type=int, default=30)
     args = p.parse_args()
     rows = []
     for peer in [x for x in args.peers.split(",") if x]:  # peers first: JAX preallocates GPU memory

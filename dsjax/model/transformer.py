@@ -43,6 +43,35 @@ class DecoderLayer(nnx.Module):
         return h + y, stats
 
 
+@jax.custom_vjp
+def lm_head_matmul(h, w):
+    """Logits h [..., D] @ w [D, V] -> [..., V] float32 (inputs in the compute dtype, fp32
+    accumulation and output).
+
+    Backward: the fp32 cotangent of the logits is rounded to the compute dtype (h.dtype) before
+    the two GEMMs (fp32 accumulation), as torch autocast does for HF's bf16 lm_head. Plain
+    autodiff would run both backward GEMMs in fp32 on [B*T, V] operands (on an H200 at V2-Lite
+    geometry: two 3.4 TFLOP fp32 GEMMs per step). With fp32 inputs nothing is rounded, so fp32
+    runs equal autodiff exactly.
+    """
+    return jnp.dot(h, w, preferred_element_type=jnp.float32)
+
+
+def _lm_head_fwd(h, w):
+    return lm_head_matmul(h, w), (h, w)
+
+
+def _lm_head_bwd(res, g):
+    h, w = res
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("...v,dv->...d", g, w, preferred_element_type=jnp.float32)
+    dw = jnp.einsum("...d,...v->dv", h, g, preferred_element_type=jnp.float32)
+    return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
+
+
 def _stack(cfg: ModelConfig, n: int, moe: bool, rngs: nnx.Rngs):
     if n == 0:
         return None
@@ -123,7 +152,7 @@ class DeepSeekModel(nnx.Module):
             w = self.embed_tokens[...].astype(h.dtype).T
         else:
             w = self.lm_head.kernel[...].astype(h.dtype)
-        return jnp.dot(h, w, preferred_element_type=jnp.float32)
+        return lm_head_matmul(h, w)
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         h, aux = self.hidden_states(tokens, positions, segment_ids)
