@@ -80,6 +80,13 @@ def cross_entropy(logits, targets, mask):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+def real_counts(segment_ids):
+    """(sequences with a real token, real tokens) in segment_ids [..., B, T] (0 = padding), fp32."""
+    real = segment_ids > 0
+    return (jnp.sum(jnp.any(real, axis=-1)).astype(jnp.float32),
+            jnp.sum(real).astype(jnp.float32))
+
+
 def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation,
                     schedule: Callable) -> Callable:
     """Returns `train_step(state, batch) -> (state, metrics)` (to be jitted with donated state)."""
@@ -94,14 +101,21 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     n_mtp = mcfg.num_nextn_predict_layers
     mtp_noaux = n_mtp > 0 and mcfg.topk_method == "noaux_tc"
 
-    def micro_loss(params, rest, mb, n_total, scale, n_mtp_total):
+    def micro_loss(params, rest, mb, n_total, scale, n_mtp_total, n_real):
         model = fns.merge(params, rest)
         h, aux = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
         logits = model.logits(h)
         nll_sum, _ = cross_entropy(logits, mb["targets"], mb["loss_mask"])
         obj = nll_sum / n_total
-        if has_moe and mcfg.aux_loss_alpha > 0:
-            obj = obj + mcfg.aux_loss_alpha * jnp.sum(aux["seq_aux"]) / n_accum
+        if has_moe:
+            # the model averages seq_aux over this micro-batch's sequences with real tokens and
+            # router_entropy over its real tokens; weigh them by those counts over the whole
+            # batch, so padding and how rows fall into micro-batches change nothing
+            seqs, toks = real_counts(mb["segment_ids"])
+            aux = dict(aux, seq_aux=aux["seq_aux"] * seqs / n_real[0],
+                       router_entropy=aux["router_entropy"] * toks / n_real[1])
+            if mcfg.aux_loss_alpha > 0:
+                obj = obj + mcfg.aux_loss_alpha * jnp.sum(aux["seq_aux"])
         if n_mtp:
             mtp_logits, mtp_stats = model.mtp_logits(h, mb["inputs"], mb["positions"], mb["segment_ids"])
             sums = []
@@ -128,10 +142,11 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         n_mtp_total = jnp.stack([jnp.maximum(jnp.sum(mtp_targets(
             flat(batch["targets"]), flat(batch["loss_mask"]), k)[1]), 1.0) for k in range(n_mtp)]
         ) if n_mtp else jnp.ones((0,), jnp.float32)
+        n_real = tuple(jnp.maximum(c, 1.0) for c in real_counts(batch["segment_ids"]))
 
         def body(carry, mb):
             g_acc, nll_acc, aux_acc = carry
-            (_, (nll_sum, aux)), g = grad_fn(params, rest, mb, n_total, scale, n_mtp_total)
+            (_, (nll_sum, aux)), g = grad_fn(params, rest, mb, n_total, scale, n_mtp_total, n_real)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             aux_acc = jax.tree.map(lambda a, b: a + b, aux_acc, aux)
             return (g_acc, nll_acc + nll_sum, aux_acc), None
@@ -147,7 +162,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
                 aux0["mtp_expert_counts"] = jnp.zeros((n_mtp, mcfg.n_routed_experts))
         if n_accum == 1:  # no accumulator: saves a zero-fill and an add over every parameter
             (_, (nll_sum, aux)), g = grad_fn(params, rest, jax.tree.map(lambda x: x[0], batch),
-                                             n_total, scale, n_mtp_total)
+                                             n_total, scale, n_mtp_total, n_real)
             grads = jax.tree.map(lambda b: b.astype(jnp.float32), g)
             aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
         else:
@@ -198,8 +213,8 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         if has_moe:
             counts = aux["expert_counts"]
             metrics["expert_load_max_over_mean"] = jnp.max(counts, -1) / jnp.maximum(jnp.mean(counts, -1), 1e-9)
-            metrics["router_entropy"] = aux["router_entropy"] / n_accum
-            metrics["seq_aux"] = aux["seq_aux"] / n_accum
+            metrics["router_entropy"] = aux["router_entropy"]
+            metrics["seq_aux"] = aux["seq_aux"]
         if n_mtp:
             metrics["mtp_loss"] = aux["mtp_nll"] / n_mtp_total  # [K] per-depth mean CE
         return new_state, metrics
