@@ -247,6 +247,8 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
             log.warning("checkpoint step %d holds no data-loader position: data starts from the "
                         "beginning of the corpus", start)
         log.info("resumed from step %d on mesh %s", start, dict(par.mesh.shape))
+    elif resume:  # the same command can restart a preemptible job, so this is not an error
+        log.warning("--resume: no checkpoint in %s yet: starting from step 0", run_dir / "checkpoints")
 
     train_step = jit_train_step(cfg, fns, tx, schedule, par, shardings)
     eval_step = jit_eval_step(cfg, fns, par, shardings)

@@ -60,9 +60,11 @@ def test_tiny_config_loss_falls_over_30_steps(corpus, tmp_path):
     assert (Path(cfg.train.run_dir) / "tokenizer.json").is_file()
 
 
-def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path):
+def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog):
     a = cfg_for(corpus, tmp_path / "a", "train.steps=6", "checkpoint.every=3")
-    loop.train(a)
+    with caplog.at_level("WARNING", logger="dsjax"):
+        loop.train(a, resume=True)  # nothing to resume yet: starts from step 0 and says so
+    assert "no checkpoint" in caplog.text and "starting from step 0" in caplog.text
     # B: the same run interrupted after step 3 (only checkpoint 3 survives), then resumed
     b_dir = tmp_path / "b" / "run"
     (b_dir / "checkpoints").mkdir(parents=True)
