@@ -58,14 +58,13 @@ def run_dsjax(args) -> dict:
              "positions": jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (1, B, T))}
     breakdown = {}
     if args.breakdown:  # forward alone and forward+backward alone (no optimizer), same model
-        from dsjax.train.step import cross_entropy
+        from dsjax.train.step import make_eval_step
 
         mb = jax.tree.map(lambda x: x[0], batch)
+        eval_step = make_eval_step(cfg, fns)
 
         def loss(p):
-            model = fns.merge(p, state["rest"])
-            h, _ = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
-            return cross_entropy(model.logits(h), mb["targets"], mb["loss_mask"])[0] / (B * T)
+            return eval_step(p, state["rest"], mb)[0] / (B * T)
 
         for name, fn in (("fwd_ms", jax.jit(loss)), ("fwd_bwd_ms", jax.jit(jax.grad(loss)))):
             jax.block_until_ready(fn(state["params"]))

@@ -16,8 +16,7 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   rows x all 2*tn columns and skips its wgmma when its rows hold none of the group (64-row
   compute granularity at group ends); measured slower on the H200 (it reads 25% more SMEM
   per k-step: 64x64 of A + 64x256 of B per warpgroup instead of 128x64 + 64x128). Only the
-  group's rows
-  are stored (a TMA store per set bit of the row count). Rows past sum(group_sizes) are
+  group's rows are stored (a TMA store per set bit of the row count). Rows past sum(group_sizes) are
   written as zeros. epilogue="swiglu": weight columns come gate/up interleaved in blocks of
   half a warpgroup's columns (`interleave_gate_up`, 64 by default), so each warpgroup's
   accumulator holds matching gate and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
