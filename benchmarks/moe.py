@@ -1,6 +1,6 @@
 """MoE expert-layer benchmark (GPU): ours vs jax.lax.ragged_dot, tokamax mosaic, dense GEMM.
 
-Usage: python benchmarks/moe.py [--shapes v2lite,v3] [--sweep] [--json PATH] [--permute-only]
+Usage: python benchmarks/moe.py [--shapes v2lite,v3] [--sweep] [--json PATH] [--permute-only] [--permute-sweep]
   [--permute] [--sort-timing] [--only-ours] [--configs n-aligned,m-aligned,v1,m-fixed]
   [--swiglu-shapes v2lite] [--fb-only] [--hlo-dir DIR] [--quick]
   --permute: permute section first; --sort-timing: routing sorts' device time (chained);
@@ -425,6 +425,162 @@ def run_permute(name, s, rows):
             print(f"[{name}] {op} {impl} FAILED: {repr(err)[:300]}", flush=True)
 
 
+SWEEP_ROWS = {  # --permute-sweep: row-kernel variants per shape (label, scatter_rows kwargs)
+    "v2lite": [("tma R=2", dict(method="tma", rows=2)), ("tma R=4", dict(method="tma", rows=4)),
+               ("tma R=2 hoist", dict(method="tma", rows=2, hoist_dest=True)),
+               ("tma R=4 hoist", dict(method="tma", rows=4, hoist_dest=True)),
+               ("simt R=1", dict(method="simt", rows=1)), ("simt R=2", dict(method="simt", rows=2)),
+               ("simt R=4", dict(method="simt", rows=4)),
+               ("simt R=2 +perm", dict(method="simt", rows=2, write_perm=True)),
+               ("pipe R=2 nbuf=4 cps=2", dict(method="tma_pipe", rows=2, nbuf=4, ctas_per_sm=2)),
+               ("pipe R=4 nbuf=3 cps=2", dict(method="tma_pipe", rows=4, nbuf=3, ctas_per_sm=2)),
+               ("pipe R=2 nbuf=3 cps=4", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=4)),
+               ("pipe R=4 nbuf=4 cps=1", dict(method="tma_pipe", rows=4, nbuf=4, ctas_per_sm=1)),
+               ("pipe R=8 nbuf=3 cps=1", dict(method="tma_pipe", rows=8, nbuf=3, ctas_per_sm=1))],
+    "v3": [("tma R=1", dict(method="tma", rows=1)), ("tma R=2", dict(method="tma", rows=2)),
+           ("tma R=1 hoist", dict(method="tma", rows=1, hoist_dest=True)),
+           ("tma R=2 hoist", dict(method="tma", rows=2, hoist_dest=True)),
+           ("simt R=1", dict(method="simt", rows=1)), ("simt R=2", dict(method="simt", rows=2)),
+           ("simt R=1 +perm", dict(method="simt", rows=1, write_perm=True)),
+           ("pipe R=1 nbuf=4 cps=2", dict(method="tma_pipe", rows=1, nbuf=4, ctas_per_sm=2)),
+           ("pipe R=1 nbuf=3 cps=4", dict(method="tma_pipe", rows=1, nbuf=3, ctas_per_sm=4)),
+           ("pipe R=2 nbuf=3 cps=2", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=2)),
+           ("pipe R=1 nbuf=6 cps=2", dict(method="tma_pipe", rows=1, nbuf=6, ctas_per_sm=2)),
+           ("pipe R=1 nbuf=8 cps=1", dict(method="tma_pipe", rows=1, nbuf=8, ctas_per_sm=1))],
+    "tiny": [("tma R=4", dict(method="tma", rows=4)), ("simt R=2", dict(method="simt", rows=2)),
+             ("simt R=2 +perm", dict(method="simt", rows=2, write_perm=True)),
+             ("pipe R=2 nbuf=3 cps=2", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=2))],
+}
+SWEEP_DEADLINE = 420.0  # seconds since start: later optional parts are skipped
+
+
+def run_permute_sweep(name, s, rows, log=None):
+    """v4 permute sweep (one GPU call): every row-kernel variant of SWEEP_ROWS checked bitwise
+    against the reference rows and timed (dest given); the routing sort variants (device time,
+    chained); then `api.permute` under candidate `dispatch.DEFAULT_ROW_KERNEL` configs (the
+    current default, the fastest row variant with either sort prefix, the fastest "simt" that
+    writes perm), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
+    including the sort. GB/s: read [T, D] + write [M, D] bf16."""
+    T, K, E, D = (s[k] for k in "TKED")
+    M = T * K
+    pb = (T * D + M * D) * 2
+    kx, ki = jax.random.split(jax.random.key(0))
+    x = jax.random.normal(kx, (T, D), jnp.bfloat16)
+    ids = jax.lax.top_k(jax.random.normal(ki, (T, E)), K)[1].astype(jnp.int32)
+    ref = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(x, ids)
+    ref_xs, ref_gs, ref_perm = jax.block_until_ready(ref)
+    _, perm, dest = jax.jit(lambda i: dispatch.counting_sort_by_expert(i, E))(ids)
+    print(f"[{name}] counting sort perm == argsort perm: {bool(jnp.array_equal(perm, ref_perm))}",
+          flush=True)
+
+    def add(op, impl, sec, nbytes=None, note="", **extra):
+        r = dict(shape=name, op=op, impl=impl, pass_="fwd", ms=sec * 1e3, note=note,
+                 t=round(time.perf_counter() - T0, 1))
+        if nbytes:
+            r["gbps"] = nbytes / sec / 1e9
+        rows.append(r)
+        r = dict(r, **extra)
+        print(json.dumps(r), flush=True)
+        if log:
+            log.write(json.dumps(r) + "\n")
+            log.flush()
+
+    def timed(fn, *args):
+        return bench(fn, *args, reps=5, inner=20)
+
+    # ceilings: the same bytes with sequential writes (XLA broadcast), the XLA gather
+    for label, f, args in (
+            ("XLA broadcast x -> [T, K, D] (same bytes, sequential writes)",
+             lambda x: jnp.broadcast_to(x[:, None], (T, K, D)).reshape(M, D), (x,)),
+            ("XLA gather x[perm // K] (perm given)", lambda x, p: jnp.take(x, p // K, axis=0),
+             (x, perm))):
+        try:
+            add("rows (ceiling/peer)", label, timed(jax.jit(f), *args), pb)
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
+
+    best = {}  # kind -> (sec, label, kwargs)
+    for label, kw in SWEEP_ROWS[name]:
+        try:
+            f = jax.jit(lambda x, d, kw=kw: dispatch.scatter_rows(x, d, **kw))
+            out = jax.block_until_ready(f(x, dest))
+            if kw.get("write_perm"):
+                out, kperm = out
+                exact = bool(jnp.array_equal(out, ref_xs)) and bool(jnp.array_equal(kperm, ref_perm))
+            else:
+                exact = bool(jnp.array_equal(out, ref_xs))
+            del out
+            sec = timed(f, x, dest)
+            add("rows (dest given)", label, sec, pb, note=f"bitwise {exact}")
+            if exact:
+                for kind in ("any", kw["method"] + ("+perm" if kw.get("write_perm") else "")):
+                    if kind not in best or sec < best[kind][0]:
+                        best[kind] = (sec, label, kw)
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
+    print(f"[{name}] fastest exact row kernels: " +
+          ", ".join(f"{k}: {v[1]} {v[0] * 1e6:.1f} us" for k, v in best.items()), flush=True)
+
+    # routing sort variants, device time (CHAIN dependent sorts per program)
+    def chained(sort):
+        def run(i):
+            dep = jnp.int32(0)
+            for j in range(CHAIN):
+                out = sort((i + j + jnp.minimum(dep, 0)) % E)
+                dep = out[-1].reshape(-1)[0]
+            return dep
+        return jax.jit(run)
+    for prefix in ("cumsum", "dot"):
+        for with_perm in (True, False):
+            if time.perf_counter() - T0 > SWEEP_DEADLINE:
+                break
+            label = f"counting sort, prefix {prefix}, " + ("dest + perm" if with_perm else "dest only")
+            try:
+                sort = lambda i, p=prefix, w=with_perm: tuple(
+                    a for a in dispatch.counting_sort_by_expert(i, E, prefix=p, with_perm=w)
+                    if a is not None)
+                add("routing sort, device time", label, bench(chained(sort), ids) / CHAIN,
+                    note=f"{CHAIN} chained sorts per program")
+            except Exception as err:  # noqa: BLE001
+                print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
+
+    # api.permute (incl. sort) under candidate default configs
+    def to_cfg(kw, prefix):
+        return dispatch.RowKernelConfig(
+            method=kw["method"], rows=kw.get("rows"), nbuf=kw.get("nbuf", 3),
+            ctas_per_sm=kw.get("ctas_per_sm", 2), write_perm=kw.get("write_perm", False),
+            hoist_dest=kw.get("hoist_dest", False), sort_prefix=prefix)
+    cands = [("current default", dispatch.RowKernelConfig())]
+    if "any" in best:
+        cands += [(f"{best['any'][1]}, cumsum", to_cfg(best["any"][2], "cumsum")),
+                  (f"{best['any'][1]}, dot", to_cfg(best["any"][2], "dot"))]
+    if "simt+perm" in best:
+        cands += [(f"{best['simt+perm'][1]}, cumsum", to_cfg(best["simt+perm"][2], "cumsum")),
+                  (f"{best['simt+perm'][1]}, dot", to_cfg(best["simt+perm"][2], "dot"))]
+    saved = dispatch.DEFAULT_ROW_KERNEL
+    rag = 1000
+    ref_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(
+        x[:rag], ids[:rag])
+    for label, cfg in cands:
+        if time.perf_counter() - T0 > SWEEP_DEADLINE + 60:
+            print(f"[{name}] deadline: skipping {label}", flush=True)
+            continue
+        dispatch.DEFAULT_ROW_KERNEL = cfg
+        try:
+            f = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))
+            outs = jax.block_until_ready(f(x, ids))
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs, (ref_xs, ref_gs, ref_perm)))
+            del outs
+            o_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))(
+                x[:rag], ids[:rag])
+            same_rag = all(bool(jnp.array_equal(a, b)) for a, b in zip(o_rag, ref_rag))
+            add("permute incl. sort (api, impl=pallas)", label, timed(f, x, ids), pb,
+                note=f"bitwise {same}, ragged T={rag} {same_rag}", config=str(cfg))
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] permute {label} FAILED: {repr(err)[:300]}", flush=True)
+    dispatch.DEFAULT_ROW_KERNEL = saved
+
+
 def run_sort_timing(name, s, rows):
     """Routing sorts alone, device time per sort (see the comment below)."""
     T, K, E, D = (s[k] for k in "TKED")
@@ -458,6 +614,24 @@ def run_sort_timing(name, s, rows):
             print(f"[{name}] chained sort {impl} FAILED: {repr(err)[:300]}", flush=True)
 
 
+PTX_PATTERNS = ("st.global.v4", "st.global.v2", "st.global.b16", "st.global.u16", "st.global.b32",
+                "st.global.u32", "ld.global.v4", "ld.global.v2", "ld.global.nc.v4",
+                "cp.async.bulk.global.shared", "cp.async.bulk.shared", "mov.u32 %r", "ld.global.b32")
+
+
+def ptx_summary(folder):
+    """--ptx-summary DIR: per dumped permute-kernel file, counts of store/load instructions
+    (MOSAIC_GPU_DUMP_PTX=1 MOSAIC_GPU_DUMP_TO=DIR): are the row copies 16-byte vectors?"""
+    import os
+    for root, _, files in os.walk(folder):
+        for fn in sorted(files):
+            if "permute_rows" not in fn:
+                continue
+            txt = open(os.path.join(root, fn), errors="ignore").read()
+            counts = {p: txt.count(p) for p in PTX_PATTERNS if txt.count(p)}
+            print(fn, len(txt), counts)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="v2lite,v3")
@@ -468,6 +642,9 @@ def main():
     ap.add_argument("--only-ours", action="store_true", help="skip the peers and permute")
     ap.add_argument("--permute-only", action="store_true", help="only the permute section")
     ap.add_argument("--permute", action="store_true", help="also run the permute section first")
+    ap.add_argument("--ptx-summary", default=None, help="DIR: instruction counts of dumped PTX")
+    ap.add_argument("--permute-sweep", action="store_true",
+                    help="only the v4 permute sweep (row kernels, sorts, api configs)")
     ap.add_argument("--swiglu-shapes", default="v2lite,tiny")
     ap.add_argument("--hlo-dir", default=None)
     ap.add_argument("--fb-only", action="store_true")
@@ -475,6 +652,8 @@ def main():
                     help="first: device time of the routing sorts (chained in one program)")
     ap.add_argument("--configs", default="", help="comma list of " + ",".join(CONFIG_CHOICES))
     args = ap.parse_args()
+    if args.ptx_summary:
+        return ptx_summary(args.ptx_summary)
     global CONFIGS
     CONFIGS = [(c, CONFIG_CHOICES[c]) for c in args.configs.split(",") if c]
     global SWIGLU_SHAPES, HLO_DIR, FB_ONLY
@@ -487,18 +666,26 @@ def main():
     print("jax", jax.__version__, jax.devices()[0].device_kind, flush=True)
     global ONLY_OURS
     ONLY_OURS = args.only_ours
-    tok = None if (args.only_ours or args.permute_only) else tokamax_ragged_dot()
+    tok = None if (args.only_ours or args.permute_only or args.permute_sweep) else tokamax_ragged_dot()
     rows = []
-    if args.sort_timing:
+    if args.permute_sweep:
+        log = open(args.json + ".log", "w") if args.json else None
         for name in args.shapes.split(","):
+            try:
+                run_permute_sweep(name, SHAPES[name], rows, log)
+            except Exception:  # noqa: BLE001
+                traceback.print_exc()
+    shapes = [] if args.permute_sweep else args.shapes.split(",")
+    if args.sort_timing:
+        for name in shapes:
             run_sort_timing(name, SHAPES[name], rows)
     if args.permute_only or args.permute:  # cheap: all shapes first
-        for name in args.shapes.split(","):
+        for name in shapes:
             try:
                 run_permute(name, SHAPES[name], rows)
             except Exception:  # noqa: BLE001
                 traceback.print_exc()
-    for name in args.shapes.split(","):
+    for name in shapes:
         if args.permute_only:
             continue
         try:

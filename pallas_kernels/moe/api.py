@@ -25,6 +25,7 @@ dp[t,k] = <y[slot(t,k)], dout[t]>.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -93,17 +94,20 @@ def _gather_rows_bwd(k, perm, g):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-@jax.custom_vjp
-def _scatter_rows(x, dest):
-    return dispatch.scatter_rows(x, dest)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scatter_rows(x, dest, config):
+    out = dispatch.scatter_rows(x, dest, method=config.method, rows=config.rows,
+                                nbuf=config.nbuf, ctas_per_sm=config.ctas_per_sm,
+                                write_perm=config.write_perm, hoist_dest=config.hoist_dest)
+    return out if config.write_perm else (out, None)
 
 
-def _scatter_rows_fwd(x, dest):
-    return _scatter_rows(x, dest), dest
+def _scatter_rows_fwd(x, dest, config):
+    return _scatter_rows(x, dest, config), dest
 
 
-def _scatter_rows_bwd(dest, g):
-    return dispatch.gather_back(g, dest), None
+def _scatter_rows_bwd(config, dest, g):
+    return dispatch.gather_back(g[0], dest), None
 
 
 _scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
@@ -130,14 +134,22 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
       x_sorted [T*K, D] (x.dtype; rows grouped by expert, stable within an expert),
       group_sizes [E] int32, perm [T*K] int32 (sorted row i is routed slot perm[i] = t*K + k).
       Differentiable in x: dx[t] = sum_k dx_sorted[slot(t, k)] (fp32 sum).
-      "pallas"/"auto" on Hopper: counting sort + Mosaic GPU row scatter (bit-identical to
-      "reference"); "pallas" raises ValueError when a row is not a multiple of 128 bytes.
+      "pallas"/"auto" on Hopper: counting sort + the Mosaic GPU row kernel of
+      `dispatch.DEFAULT_ROW_KERNEL` (bit-identical to "reference"); "pallas" raises
+      ValueError when a row is not a multiple of 128 bytes.
     """
     _check(impl)
     t, k = topk_ids.shape
     if _permute_backend(impl, x, k) == "pallas":
-        group_sizes, perm, dest = dispatch.counting_sort_by_expert(topk_ids, num_experts)
-        return _scatter_rows(x, dest), group_sizes, perm
+        cfg = dispatch.DEFAULT_ROW_KERNEL
+        method = dispatch.resolve_method(cfg, x, k)
+        cfg = dataclasses.replace(cfg, method=method,
+                                  write_perm=cfg.write_perm and method == "simt",
+                                  hoist_dest=cfg.hoist_dest and method == "tma")
+        group_sizes, perm, dest = dispatch.counting_sort_by_expert(
+            topk_ids, num_experts, prefix=cfg.sort_prefix, with_perm=not cfg.write_perm)
+        x_sorted, kernel_perm = _scatter_rows(x, dest, cfg)
+        return x_sorted, group_sizes, (kernel_perm if cfg.write_perm else perm)
     group_sizes, perm = sort_by_expert(topk_ids, num_experts)
     return _gather_rows(x, perm, k), group_sizes, perm
 
