@@ -456,11 +456,12 @@ SWEEP_DEADLINE = 420.0  # seconds since start: later optional parts are skipped
 
 def run_permute_sweep(name, s, rows, log=None):
     """v4 permute sweep (one GPU call): every row-kernel variant of SWEEP_ROWS checked bitwise
-    against the reference rows and timed (dest given); the routing sort variants (device time,
-    chained); then `api.permute` under candidate `dispatch.DEFAULT_ROW_KERNEL` configs (the
-    current default, the fastest row variant with either sort prefix, the fastest "simt" that
-    writes perm), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
-    including the sort. GB/s: read [T, D] + write [M, D] bf16."""
+    against the reference rows and timed (dest given); then `api.permute` under candidate
+    `dispatch.DEFAULT_ROW_KERNEL` configs (the current default, the fastest row variant with
+    either sort prefix, the fastest "simt" that writes perm), each checked bitwise (x_sorted,
+    group_sizes, perm; ragged T = 1000) and timed including the sort; then the routing sort
+    variants (device time, chained). Parts after --deadline seconds are skipped.
+    GB/s: read [T, D] + write [M, D] bf16."""
     T, K, E, D = (s[k] for k in "TKED")
     M = T * K
     pb = (T * D + M * D) * 2
@@ -521,6 +522,42 @@ def run_permute_sweep(name, s, rows, log=None):
     print(f"[{name}] fastest exact row kernels: " +
           ", ".join(f"{k}: {v[1]} {v[0] * 1e6:.1f} us" for k, v in best.items()), flush=True)
 
+    # api.permute (incl. sort) under candidate default configs
+    def to_cfg(kw, prefix):
+        return dispatch.RowKernelConfig(
+            method=kw["method"], rows=kw.get("rows"), nbuf=kw.get("nbuf", 3),
+            ctas_per_sm=kw.get("ctas_per_sm", 2), write_perm=kw.get("write_perm", False),
+            hoist_dest=kw.get("hoist_dest", False), sort_prefix=prefix)
+    cands = [("current default", dispatch.RowKernelConfig())]
+    if "any" in best:
+        cands += [(f"{best['any'][1]}, cumsum", to_cfg(best["any"][2], "cumsum")),
+                  (f"{best['any'][1]}, dot", to_cfg(best["any"][2], "dot"))]
+    if "simt+perm" in best:
+        cands += [(f"{best['simt+perm'][1]}, cumsum", to_cfg(best["simt+perm"][2], "cumsum")),
+                  (f"{best['simt+perm'][1]}, dot", to_cfg(best["simt+perm"][2], "dot"))]
+    saved = dispatch.DEFAULT_ROW_KERNEL
+    rag = 1000
+    ref_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(
+        x[:rag], ids[:rag])
+    for label, cfg in cands:
+        if time.perf_counter() - T0 > SWEEP_DEADLINE:
+            print(f"[{name}] deadline: skipping {label}", flush=True)
+            continue
+        dispatch.DEFAULT_ROW_KERNEL = cfg
+        try:
+            f = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))
+            outs = jax.block_until_ready(f(x, ids))
+            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs, (ref_xs, ref_gs, ref_perm)))
+            del outs
+            o_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))(
+                x[:rag], ids[:rag])
+            same_rag = all(bool(jnp.array_equal(a, b)) for a, b in zip(o_rag, ref_rag))
+            add("permute incl. sort (api, impl=pallas)", label, timed(f, x, ids), pb,
+                note=f"bitwise {same}, ragged T={rag} {same_rag}", config=str(cfg))
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] permute {label} FAILED: {repr(err)[:300]}", flush=True)
+    dispatch.DEFAULT_ROW_KERNEL = saved
+
     # routing sort variants, device time (CHAIN dependent sorts per program)
     def chained(sort):
         def run(i):
@@ -543,42 +580,6 @@ def run_permute_sweep(name, s, rows, log=None):
                     note=f"{CHAIN} chained sorts per program")
             except Exception as err:  # noqa: BLE001
                 print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
-
-    # api.permute (incl. sort) under candidate default configs
-    def to_cfg(kw, prefix):
-        return dispatch.RowKernelConfig(
-            method=kw["method"], rows=kw.get("rows"), nbuf=kw.get("nbuf", 3),
-            ctas_per_sm=kw.get("ctas_per_sm", 2), write_perm=kw.get("write_perm", False),
-            hoist_dest=kw.get("hoist_dest", False), sort_prefix=prefix)
-    cands = [("current default", dispatch.RowKernelConfig())]
-    if "any" in best:
-        cands += [(f"{best['any'][1]}, cumsum", to_cfg(best["any"][2], "cumsum")),
-                  (f"{best['any'][1]}, dot", to_cfg(best["any"][2], "dot"))]
-    if "simt+perm" in best:
-        cands += [(f"{best['simt+perm'][1]}, cumsum", to_cfg(best["simt+perm"][2], "cumsum")),
-                  (f"{best['simt+perm'][1]}, dot", to_cfg(best["simt+perm"][2], "dot"))]
-    saved = dispatch.DEFAULT_ROW_KERNEL
-    rag = 1000
-    ref_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(
-        x[:rag], ids[:rag])
-    for label, cfg in cands:
-        if time.perf_counter() - T0 > SWEEP_DEADLINE + 60:
-            print(f"[{name}] deadline: skipping {label}", flush=True)
-            continue
-        dispatch.DEFAULT_ROW_KERNEL = cfg
-        try:
-            f = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))
-            outs = jax.block_until_ready(f(x, ids))
-            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs, (ref_xs, ref_gs, ref_perm)))
-            del outs
-            o_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))(
-                x[:rag], ids[:rag])
-            same_rag = all(bool(jnp.array_equal(a, b)) for a, b in zip(o_rag, ref_rag))
-            add("permute incl. sort (api, impl=pallas)", label, timed(f, x, ids), pb,
-                note=f"bitwise {same}, ragged T={rag} {same_rag}", config=str(cfg))
-        except Exception as err:  # noqa: BLE001
-            print(f"[{name}] permute {label} FAILED: {repr(err)[:300]}", flush=True)
-    dispatch.DEFAULT_ROW_KERNEL = saved
 
 
 def run_sort_timing(name, s, rows):
@@ -642,6 +643,8 @@ def main():
     ap.add_argument("--only-ours", action="store_true", help="skip the peers and permute")
     ap.add_argument("--permute-only", action="store_true", help="only the permute section")
     ap.add_argument("--permute", action="store_true", help="also run the permute section first")
+    ap.add_argument("--deadline", type=float, default=420.0,
+                    help="--permute-sweep: seconds after which optional parts are skipped")
     ap.add_argument("--ptx-summary", default=None, help="DIR: instruction counts of dumped PTX")
     ap.add_argument("--permute-sweep", action="store_true",
                     help="only the v4 permute sweep (row kernels, sorts, api configs)")
@@ -654,6 +657,8 @@ def main():
     args = ap.parse_args()
     if args.ptx_summary:
         return ptx_summary(args.ptx_summary)
+    global SWEEP_DEADLINE
+    SWEEP_DEADLINE = args.deadline
     global CONFIGS
     CONFIGS = [(c, CONFIG_CHOICES[c]) for c in args.configs.split(",") if c]
     global SWIGLU_SHAPES, HLO_DIR, FB_ONLY
