@@ -425,43 +425,58 @@ def run_permute(name, s, rows):
             print(f"[{name}] {op} {impl} FAILED: {repr(err)[:300]}", flush=True)
 
 
-SWEEP_ROWS = {  # --permute-sweep: row-kernel variants per shape (label, scatter_rows kwargs)
-    "v2lite": [("tma R=2", dict(method="tma", rows=2)), ("tma R=4", dict(method="tma", rows=4)),
-               ("tma R=2 hoist", dict(method="tma", rows=2, hoist_dest=True)),
-               ("tma R=4 hoist", dict(method="tma", rows=4, hoist_dest=True)),
-               ("simt R=1", dict(method="simt", rows=1)), ("simt R=2", dict(method="simt", rows=2)),
-               ("simt R=4", dict(method="simt", rows=4)),
-               ("simt R=2 +perm", dict(method="simt", rows=2, write_perm=True)),
-               ("pipe R=2 nbuf=4 cps=2", dict(method="tma_pipe", rows=2, nbuf=4, ctas_per_sm=2)),
-               ("pipe R=4 nbuf=3 cps=2", dict(method="tma_pipe", rows=4, nbuf=3, ctas_per_sm=2)),
-               ("pipe R=2 nbuf=3 cps=4", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=4)),
-               ("pipe R=4 nbuf=4 cps=1", dict(method="tma_pipe", rows=4, nbuf=4, ctas_per_sm=1)),
-               ("pipe R=8 nbuf=3 cps=1", dict(method="tma_pipe", rows=8, nbuf=3, ctas_per_sm=1))],
-    "v3": [("tma R=1", dict(method="tma", rows=1)), ("tma R=2", dict(method="tma", rows=2)),
-           ("tma R=1 hoist", dict(method="tma", rows=1, hoist_dest=True)),
-           ("tma R=2 hoist", dict(method="tma", rows=2, hoist_dest=True)),
-           ("simt R=1", dict(method="simt", rows=1)), ("simt R=2", dict(method="simt", rows=2)),
-           ("simt R=1 +perm", dict(method="simt", rows=1, write_perm=True)),
-           ("pipe R=1 nbuf=4 cps=2", dict(method="tma_pipe", rows=1, nbuf=4, ctas_per_sm=2)),
-           ("pipe R=1 nbuf=3 cps=4", dict(method="tma_pipe", rows=1, nbuf=3, ctas_per_sm=4)),
-           ("pipe R=2 nbuf=3 cps=2", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=2)),
-           ("pipe R=1 nbuf=6 cps=2", dict(method="tma_pipe", rows=1, nbuf=6, ctas_per_sm=2)),
-           ("pipe R=1 nbuf=8 cps=1", dict(method="tma_pipe", rows=1, nbuf=8, ctas_per_sm=1))],
+SWEEP_ROWS = {  # --permute-sweep: row-kernel variants per shape (label, scatter_rows kwargs).
+    # The first GPU call (commit 8ba8ee3) swept tma R=1..4 (with and without the destination
+    # reads hoisted), simt R=1..4 (+perm) and tma_pipe (R, nbuf, CTAs/SM); RESULTS.md, "v4".
+    "v2lite": [("tma R=4", dict(method="tma", rows=4)), ("simt R=1", dict(method="simt", rows=1))],
+    "v3": [("tma R=1", dict(method="tma", rows=1)), ("simt R=1", dict(method="simt", rows=1))],
     "tiny": [("tma R=4", dict(method="tma", rows=4)), ("simt R=2", dict(method="simt", rows=2)),
              ("simt R=2 +perm", dict(method="simt", rows=2, write_perm=True)),
              ("pipe R=2 nbuf=3 cps=2", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=2))],
 }
+SWEEP_SORTS = [  # --permute-sweep: routing sorts (label, PermuteConfig fields)
+    ("counting S=256 cumsum (v3)", dict(sort="counting", sort_block=256, sort_prefix="cumsum")),
+    ("counting S=256 lean", dict(sort="counting", sort_block=256, sort_prefix="lean")),
+    ("counting S=128 lean", dict(sort="counting", sort_block=128, sort_prefix="lean")),
+    ("counting S=512 lean", dict(sort="counting", sort_block=512, sort_prefix="lean")),
+    ("radix (packed uint32 keys)", dict(sort="radix")),
+]
 SWEEP_DEADLINE = 420.0  # seconds since start: later optional parts are skipped
+PROFILE_DIR = None  # --profile-dir: jax.profiler traces of the permute programs go here
+
+
+def kernel_sequence(trace_dir, last=24):
+    """The last `last` GPU kernels of a jax.profiler trace: (name, start us, duration us, gap us
+    since the previous kernel ended), from the stream lines of the GPU plane."""
+    import glob
+
+    from jax.profiler import ProfileData
+    paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
+    if not paths:
+        return []
+    evs = []
+    for plane in ProfileData.from_file(paths[-1]).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for ln in plane.lines:
+            if "Stream" in ln.name:
+                evs += [(ev.start_ns, ev.duration_ns, ev.name) for ev in ln.events]
+    evs.sort()
+    out, prev_end = [], None
+    for start, dur, nm in evs[-last:]:
+        out.append((nm[:60], start / 1e3, dur / 1e3, (start - prev_end) / 1e3 if prev_end else 0.0))
+        prev_end = start + dur
+    return out
 
 
 def run_permute_sweep(name, s, rows, log=None):
-    """v4 permute sweep (one GPU call): every row-kernel variant of SWEEP_ROWS checked bitwise
-    against the reference rows and timed (dest given); then `api.permute` under candidate
-    `dispatch.DEFAULT_ROW_KERNEL` configs (the current default, the fastest row variant with
-    either sort prefix, the fastest "simt" that writes perm), each checked bitwise (x_sorted,
-    group_sizes, perm; ragged T = 1000) and timed including the sort; then the routing sort
-    variants (device time, chained). Parts after --deadline seconds are skipped.
-    GB/s: read [T, D] + write [M, D] bf16."""
+    """v4 permute sweep (one GPU call): the row kernels of SWEEP_ROWS checked bitwise against the
+    reference rows and timed (dest given); `api.permute` under `dispatch.DEFAULT_PERMUTE`
+    candidates (the v3 default, the "tma" kernel with each sort of SWEEP_SORTS, "simt" with the
+    leanest sort), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
+    including the sort; the sorts' device time (chained); with --profile-dir, the kernel
+    sequence of one permute call of the v3 default and of the fastest candidate. Parts after
+    --deadline seconds are skipped. GB/s: read [T, D] + write [M, D] bf16."""
     T, K, E, D = (s[k] for k in "TKED")
     M = T * K
     pb = (T * D + M * D) * 2
@@ -489,18 +504,6 @@ def run_permute_sweep(name, s, rows, log=None):
     def timed(fn, *args):
         return bench(fn, *args, reps=5, inner=20)
 
-    # ceilings: the same bytes with sequential writes (XLA broadcast), the XLA gather
-    for label, f, args in (
-            ("XLA broadcast x -> [T, K, D] (same bytes, sequential writes)",
-             lambda x: jnp.broadcast_to(x[:, None], (T, K, D)).reshape(M, D), (x,)),
-            ("XLA gather x[perm // K] (perm given)", lambda x, p: jnp.take(x, p // K, axis=0),
-             (x, perm))):
-        try:
-            add("rows (ceiling/peer)", label, timed(jax.jit(f), *args), pb)
-        except Exception as err:  # noqa: BLE001
-            print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
-
-    best = {}  # kind -> (sec, label, kwargs)
     for label, kw in SWEEP_ROWS[name]:
         try:
             f = jax.jit(lambda x, d, kw=kw: dispatch.scatter_rows(x, d, **kw))
@@ -511,39 +514,25 @@ def run_permute_sweep(name, s, rows, log=None):
             else:
                 exact = bool(jnp.array_equal(out, ref_xs))
             del out
-            sec = timed(f, x, dest)
-            add("rows (dest given)", label, sec, pb, note=f"bitwise {exact}")
-            if exact:
-                for kind in ("any", kw["method"] + ("+perm" if kw.get("write_perm") else "")):
-                    if kind not in best or sec < best[kind][0]:
-                        best[kind] = (sec, label, kw)
+            add("rows (dest given)", label, timed(f, x, dest), pb, note=f"bitwise {exact}")
         except Exception as err:  # noqa: BLE001
             print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
-    print(f"[{name}] fastest exact row kernels: " +
-          ", ".join(f"{k}: {v[1]} {v[0] * 1e6:.1f} us" for k, v in best.items()), flush=True)
 
     # api.permute (incl. sort) under candidate default configs
-    def to_cfg(kw, prefix):
-        return dispatch.RowKernelConfig(
-            method=kw["method"], rows=kw.get("rows"), nbuf=kw.get("nbuf", 3),
-            ctas_per_sm=kw.get("ctas_per_sm", 2), write_perm=kw.get("write_perm", False),
-            hoist_dest=kw.get("hoist_dest", False), sort_prefix=prefix)
-    cands = [("current default", dispatch.RowKernelConfig())]
-    if "any" in best:
-        cands += [(f"{best['any'][1]}, cumsum", to_cfg(best["any"][2], "cumsum")),
-                  (f"{best['any'][1]}, dot", to_cfg(best["any"][2], "dot"))]
-    if "simt+perm" in best:
-        cands += [(f"{best['simt+perm'][1]}, cumsum", to_cfg(best["simt+perm"][2], "cumsum")),
-                  (f"{best['simt+perm'][1]}, dot", to_cfg(best["simt+perm"][2], "dot"))]
-    saved = dispatch.DEFAULT_ROW_KERNEL
+    cands = [("v3 default (tma, counting S=256 cumsum)", dispatch.PermuteConfig())]
+    cands += [(f"tma, {lab}", dispatch.PermuteConfig(**kw)) for lab, kw in SWEEP_SORTS[1:]]
+    cands += [("simt R=1, counting S=256 lean",
+               dispatch.PermuteConfig(method="simt", rows=1, sort_prefix="lean"))]
+    saved = dispatch.DEFAULT_PERMUTE
     rag = 1000
     ref_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(
         x[:rag], ids[:rag])
+    api_times = {}
     for label, cfg in cands:
         if time.perf_counter() - T0 > SWEEP_DEADLINE:
             print(f"[{name}] deadline: skipping {label}", flush=True)
             continue
-        dispatch.DEFAULT_ROW_KERNEL = cfg
+        dispatch.DEFAULT_PERMUTE = cfg
         try:
             f = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))
             outs = jax.block_until_ready(f(x, ids))
@@ -552,13 +541,44 @@ def run_permute_sweep(name, s, rows, log=None):
             o_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))(
                 x[:rag], ids[:rag])
             same_rag = all(bool(jnp.array_equal(a, b)) for a, b in zip(o_rag, ref_rag))
-            add("permute incl. sort (api, impl=pallas)", label, timed(f, x, ids), pb,
+            sec = timed(f, x, ids)
+            add("permute incl. sort (api, impl=pallas)", label, sec, pb,
                 note=f"bitwise {same}, ragged T={rag} {same_rag}", config=str(cfg))
+            if same and same_rag:
+                api_times[label] = (sec, cfg, f)
         except Exception as err:  # noqa: BLE001
             print(f"[{name}] permute {label} FAILED: {repr(err)[:300]}", flush=True)
-    dispatch.DEFAULT_ROW_KERNEL = saved
+    dispatch.DEFAULT_PERMUTE = saved
 
-    # routing sort variants, device time (CHAIN dependent sorts per program)
+    # kernel sequence of one call: the v3 default and the fastest candidate
+    if PROFILE_DIR and api_times:
+        fastest = min(api_times, key=lambda k: api_times[k][0])
+        for label in dict.fromkeys([cands[0][0], fastest]):
+            if label not in api_times:
+                continue
+            f = api_times[label][2]
+            d = f"{PROFILE_DIR}/{name}_{len(label)}"
+            try:
+                hlo = f.lower(x, ids).compile().as_text()
+                tag = "default" if label == cands[0][0] else "fastest"
+                with open(f"{PROFILE_DIR}/{name}_{tag}_hlo.txt", "w") as fh:
+                    fh.write(f"# {label}\n{hlo}")
+                jax.block_until_ready(f(x, ids))
+                jax.profiler.start_trace(d)
+                for _ in range(3):
+                    jax.block_until_ready(f(x, ids))
+                jax.profiler.stop_trace()
+                seq = kernel_sequence(d, last=30)
+                print(f"[{name}] kernels of one permute call, {label}: (name, duration us, gap us)",
+                      flush=True)
+                for nm, _, dur, gap in seq[-15:]:
+                    print(f"    {dur:7.1f} {gap:6.1f}  {nm}", flush=True)
+                if log:
+                    log.write(json.dumps(dict(shape=name, profile=label, kernels=seq)) + "\n")
+            except Exception as err:  # noqa: BLE001
+                print(f"[{name}] profile {label} FAILED: {repr(err)[:300]}", flush=True)
+
+    # routing sorts, device time (CHAIN dependent sorts per program)
     def chained(sort):
         def run(i):
             dep = jnp.int32(0)
@@ -567,19 +587,16 @@ def run_permute_sweep(name, s, rows, log=None):
                 dep = out[-1].reshape(-1)[0]
             return dep
         return jax.jit(run)
-    for prefix in ("cumsum", "dot"):
-        for with_perm in (True, False):
-            if time.perf_counter() - T0 > SWEEP_DEADLINE:
-                break
-            label = f"counting sort, prefix {prefix}, " + ("dest + perm" if with_perm else "dest only")
-            try:
-                sort = lambda i, p=prefix, w=with_perm: tuple(
-                    a for a in dispatch.counting_sort_by_expert(i, E, prefix=p, with_perm=w)
-                    if a is not None)
-                add("routing sort, device time", label, bench(chained(sort), ids) / CHAIN,
-                    note=f"{CHAIN} chained sorts per program")
-            except Exception as err:  # noqa: BLE001
-                print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
+    for label, kw in SWEEP_SORTS:
+        if time.perf_counter() - T0 > SWEEP_DEADLINE:
+            break
+        try:
+            cfg = dispatch.PermuteConfig(**kw)
+            sort = lambda i, cfg=cfg: dispatch.routing_sort(i, E, cfg)
+            add("routing sort, device time", label, bench(chained(sort), ids) / CHAIN,
+                note=f"{CHAIN} chained sorts per program")
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
 
 
 def run_sort_timing(name, s, rows):
@@ -645,6 +662,8 @@ def main():
     ap.add_argument("--permute", action="store_true", help="also run the permute section first")
     ap.add_argument("--deadline", type=float, default=420.0,
                     help="--permute-sweep: seconds after which optional parts are skipped")
+    ap.add_argument("--profile-dir", default=None,
+                    help="--permute-sweep: trace the permute programs here, print their kernels")
     ap.add_argument("--ptx-summary", default=None, help="DIR: instruction counts of dumped PTX")
     ap.add_argument("--permute-sweep", action="store_true",
                     help="only the v4 permute sweep (row kernels, sorts, api configs)")
@@ -657,8 +676,9 @@ def main():
     args = ap.parse_args()
     if args.ptx_summary:
         return ptx_summary(args.ptx_summary)
-    global SWEEP_DEADLINE
+    global SWEEP_DEADLINE, PROFILE_DIR
     SWEEP_DEADLINE = args.deadline
+    PROFILE_DIR = args.profile_dir
     global CONFIGS
     CONFIGS = [(c, CONFIG_CHOICES[c]) for c in args.configs.split(",") if c]
     global SWIGLU_SHAPES, HLO_DIR, FB_ONLY

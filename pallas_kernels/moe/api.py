@@ -98,7 +98,7 @@ _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 def _scatter_rows(x, dest, config):
     out = dispatch.scatter_rows(x, dest, method=config.method, rows=config.rows,
                                 nbuf=config.nbuf, ctas_per_sm=config.ctas_per_sm,
-                                write_perm=config.write_perm, hoist_dest=config.hoist_dest)
+                                write_perm=config.write_perm)
     return out if config.write_perm else (out, None)
 
 
@@ -134,20 +134,19 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
       x_sorted [T*K, D] (x.dtype; rows grouped by expert, stable within an expert),
       group_sizes [E] int32, perm [T*K] int32 (sorted row i is routed slot perm[i] = t*K + k).
       Differentiable in x: dx[t] = sum_k dx_sorted[slot(t, k)] (fp32 sum).
-      "pallas"/"auto" on Hopper: counting sort + the Mosaic GPU row kernel of
-      `dispatch.DEFAULT_ROW_KERNEL` (bit-identical to "reference"); "pallas" raises
+      "pallas"/"auto" on Hopper: the routing sort and Mosaic GPU row kernel of
+      `dispatch.DEFAULT_PERMUTE` (bit-identical to "reference"); "pallas" raises
       ValueError when a row is not a multiple of 128 bytes.
     """
     _check(impl)
     t, k = topk_ids.shape
     if _permute_backend(impl, x, k) == "pallas":
-        cfg = dispatch.DEFAULT_ROW_KERNEL
+        cfg = dispatch.DEFAULT_PERMUTE
         method = dispatch.resolve_method(cfg, x, k)
         cfg = dataclasses.replace(cfg, method=method,
-                                  write_perm=cfg.write_perm and method == "simt",
-                                  hoist_dest=cfg.hoist_dest and method == "tma")
-        group_sizes, perm, dest = dispatch.counting_sort_by_expert(
-            topk_ids, num_experts, prefix=cfg.sort_prefix, with_perm=not cfg.write_perm)
+                                  write_perm=cfg.write_perm and method == "simt")
+        group_sizes, perm, dest = dispatch.routing_sort(topk_ids, num_experts, cfg,
+                                                          with_perm=not cfg.write_perm)
         x_sorted, kernel_perm = _scatter_rows(x, dest, cfg)
         return x_sorted, group_sizes, (kernel_perm if cfg.write_perm else perm)
     group_sizes, perm = sort_by_expert(topk_ids, num_experts)

@@ -13,15 +13,18 @@ of i's block with the same expert. v3 ("compare") gets rank and the block counts
 fused compare-and-sum reductions ([B, S, S] and [B, S, E] booleans, never materialised);
 v2 ("matmul") from a one-hot [B, S, E] bf16 times the strictly lower-triangular [S, S] ones
 matrix (0/1 operands, fp32 accumulation: exact). The prefix over blocks is a cumulative sum
-("cumsum") or a strictly-lower-triangular [B, B] fp32 matmul at HIGHEST precision ("dot",
-exact for M < 2**24). perm is dest scattered: perm[dest[i]] = i (an XLA scatter), unless a row
-kernel writes it (`with_perm=False` here, `write_perm=True` there).
+("cumsum", "lean": the expert totals from its last row) or a strictly-lower-triangular [B, B]
+fp32 matmul at HIGHEST precision ("dot", exact for M < 2**24). perm is dest scattered:
+perm[dest[i]] = i (an XLA scatter), unless a row kernel writes it (`with_perm=False` here,
+`write_perm=True` there). `radix_sort_by_expert` gives the same outputs from one sort of packed
+keys expert << bits | slot (a CUB radix sort on GPU).
 
 Row kernels (`scatter_rows`): out[dest[t, k]] = x[t]. x is read once (T*D) and the output
 written once (M*D): the fewest bytes, where a gather x[perm // K] reads each token row K times.
   "tma"      (v2/v3): one CTA per R tokens: one bulk copy (cp.async.bulk, contiguous, no tensor
              map) of the R rows GMEM -> SMEM, then K*R single-row bulk stores SMEM -> GMEM. Many
              small CTAs per SM (R*D*itemsize ~ 16 KiB of SMEM each) hide the copy latency.
+             v4: the K*R destination rows are read before waiting for the row load.
   "tma_pipe" (v4): persistent grid (ctas_per_sm CTAs per SM), each CTA walks token blocks
              cta, cta + G, ... through an nbuf-deep ring of SMEM buffers: the loads of the next
              nbuf-1 blocks are in flight while this block's K*R stores issue; a buffer is
@@ -51,24 +54,25 @@ METHODS = ("tma", "tma_pipe", "simt")
 
 
 @dataclasses.dataclass(frozen=True)
-class RowKernelConfig:
-    """Row kernel choice for `permute` (see the module docstring).
+class PermuteConfig:
+    """What `api.permute` runs (see the module docstring).
 
-    method: "tma" | "tma_pipe" | "simt". rows: R (None: `default_rows`). nbuf, ctas_per_sm:
-    "tma_pipe" only. write_perm: "simt" only, the kernel writes perm (the sort skips its
-    scatter). hoist_dest: "tma" only (`scatter_rows`). sort_prefix: "cumsum" | "dot" (the
-    counting sort's prefix over blocks).
+    method: row kernel, "tma" | "tma_pipe" | "simt". rows: R (None: `default_rows`). nbuf,
+    ctas_per_sm: "tma_pipe" only. write_perm: "simt" only, the kernel writes perm (the sort
+    skips its scatter). sort: "counting" (`counting_sort_by_expert`) | "radix"
+    (`radix_sort_by_expert`). sort_block, sort_prefix: the counting sort's S and prefix.
     """
     method: str = "tma"
     rows: int | None = None
     nbuf: int = 3
     ctas_per_sm: int = 2
     write_perm: bool = False
-    hoist_dest: bool = False
+    sort: str = "counting"
+    sort_block: int = 256
     sort_prefix: str = "cumsum"
 
 
-DEFAULT_ROW_KERNEL = RowKernelConfig()
+DEFAULT_PERMUTE = PermuteConfig()
 
 
 def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="compare",
@@ -82,8 +86,10 @@ def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="
         the same expert, one fused compare-and-sum over [B, S, S]; block counts = a fused
         compare-and-sum over [B, S, E]) or "matmul" (v2: one-hot [B, S, E] bf16 times a
         strictly-lower-triangular [S, S] ones matrix, fp32 accumulation). Same result.
-      prefix: "cumsum" (XLA cumulative sum over blocks) or "dot" (strictly-lower-triangular
-        [B, B] fp32 matmul at HIGHEST precision; exact while M < 2**24). Same result.
+      prefix: "cumsum" (XLA cumulative sum over blocks; expert totals by a second reduction),
+        "lean" (one inclusive cumulative sum over blocks; its last row gives the expert totals)
+        or "dot" (strictly-lower-triangular [B, B] fp32 matmul at HIGHEST precision; exact
+        while M < 2**24). Same result.
       with_perm: False skips the perm scatter (returns None for perm).
     Returns:
       group_sizes [E] int32, perm [M] int32 (== argsort(flat ids, stable=True)) or None,
@@ -93,8 +99,8 @@ def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="
     """
     if method not in ("compare", "matmul"):
         raise ValueError(f"method={method!r}: expected 'compare' or 'matmul'")
-    if prefix not in ("cumsum", "dot"):
-        raise ValueError(f"prefix={prefix!r}: expected 'cumsum' or 'dot'")
+    if prefix not in ("cumsum", "lean", "dot"):
+        raise ValueError(f"prefix={prefix!r}: expected 'cumsum', 'lean' or 'dot'")
     t, k = topk_ids.shape
     m, e = t * k, num_experts
     flat = topk_ids.reshape(-1).astype(jnp.int32)
@@ -115,13 +121,18 @@ def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="
         counts = jnp.sum(oh, axis=1, dtype=jnp.int32)
         ids = jnp.minimum(padded, e - 1)
         rank = jnp.take_along_axis(within, ids[..., None], axis=2)[..., 0]
-    if prefix == "cumsum":
-        block_prefix = jnp.cumsum(counts, axis=0) - counts
+    if prefix == "lean":
+        inclusive = jnp.cumsum(counts, axis=0)
+        block_prefix = inclusive - counts
+        group_sizes = inclusive[-1].astype(jnp.int32)
     else:
-        lower = jnp.tril(jnp.ones((nb, nb), jnp.float32), -1)
-        block_prefix = jnp.dot(lower, counts.astype(jnp.float32),
-                               precision=lax.Precision.HIGHEST).astype(jnp.int32)
-    group_sizes = jnp.sum(counts, axis=0).astype(jnp.int32)
+        if prefix == "cumsum":
+            block_prefix = jnp.cumsum(counts, axis=0) - counts
+        else:
+            lower = jnp.tril(jnp.ones((nb, nb), jnp.float32), -1)
+            block_prefix = jnp.dot(lower, counts.astype(jnp.float32),
+                                   precision=lax.Precision.HIGHEST).astype(jnp.int32)
+        group_sizes = jnp.sum(counts, axis=0).astype(jnp.int32)
     start = jnp.cumsum(group_sizes) - group_sizes
     base = block_prefix + start[None, :]  # [B, E]
     ids = jnp.minimum(padded, e - 1)
@@ -131,6 +142,43 @@ def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="
         perm = jnp.zeros((m,), jnp.int32).at[dest].set(
             jnp.arange(m, dtype=jnp.int32), unique_indices=True, indices_are_sorted=False)
     return group_sizes, perm, dest.reshape(t, k)
+
+
+def radix_sort_by_expert(topk_ids, num_experts, *, with_perm=True):
+    """Stable sort of routed slots by expert through one sort of packed uint32 keys.
+
+    key = expert << bits | slot (bits = bit length of M - 1): keys are distinct, so sorting
+    them orders slots by (expert, slot), the stable argsort; XLA on GPU runs a single-operand
+    uint32 sort as a radix sort (CUB). group_sizes: a fused compare-and-sum over [M, E];
+    dest: perm scattered. Same outputs as `counting_sort_by_expert`.
+
+    Raises:
+      ValueError: num_experts << bits does not fit 32 bits.
+    """
+    t, k = topk_ids.shape
+    m, e = t * k, num_experts
+    bits = max(1, (m - 1).bit_length())
+    if e << bits > 2**32:
+        raise ValueError(f"radix sort: {e} experts x {m} slots do not fit 32-bit keys")
+    flat = topk_ids.reshape(-1).astype(jnp.uint32)
+    keys = jnp.sort((flat << bits) | jnp.arange(m, dtype=jnp.uint32))
+    perm = (keys & jnp.uint32((1 << bits) - 1)).astype(jnp.int32)
+    group_sizes = jnp.sum(flat[:, None] == jnp.arange(e, dtype=jnp.uint32), axis=0,
+                          dtype=jnp.int32)
+    dest = jnp.zeros((m,), jnp.int32).at[perm].set(
+        jnp.arange(m, dtype=jnp.int32), unique_indices=True, indices_are_sorted=False)
+    return group_sizes, (perm if with_perm else None), dest.reshape(t, k)
+
+
+def routing_sort(topk_ids, num_experts, config=None, *, with_perm=True):
+    """The routing sort of `config` (default DEFAULT_PERMUTE): (group_sizes, perm, dest)."""
+    config = config or DEFAULT_PERMUTE
+    if config.sort == "radix":
+        return radix_sort_by_expert(topk_ids, num_experts, with_perm=with_perm)
+    if config.sort != "counting":
+        raise ValueError(f"sort={config.sort!r}: expected 'counting' or 'radix'")
+    return counting_sort_by_expert(topk_ids, num_experts, block=config.sort_block,
+                                   prefix=config.sort_prefix, with_perm=with_perm)
 
 
 def rows_per_cta(t, d, dtype):
@@ -180,7 +228,7 @@ def scatter_rows_fits(x, k, method="tma"):
 
 
 def resolve_method(config, x, k):
-    """The config's method, or "tma" when the simt kernel cannot take this row width."""
+    """The config's row kernel, or "tma" when the simt kernel cannot take this row width."""
     if config.method == "simt" and scatter_rows_fits(x, k, "simt") is not None:
         return "tma"
     return config.method
@@ -196,7 +244,7 @@ def _num_sms():
 
 
 def scatter_rows(x, dest, *, method="tma", rows=None, nbuf=3, ctas_per_sm=2, grid_ctas=None,
-                 write_perm=False, hoist_dest=False, interpret=None):
+                 write_perm=False, interpret=None):
     """out[dest[t, k]] = x[t] for a permutation dest of 0..T*K-1 (Pallas Mosaic GPU).
 
     Args:
@@ -207,7 +255,6 @@ def scatter_rows(x, dest, *, method="tma", rows=None, nbuf=3, ctas_per_sm=2, gri
       nbuf, ctas_per_sm, grid_ctas: "tma_pipe": ring depth, CTAs per SM, or the grid size
         itself (grid_ctas overrides ctas_per_sm * number of SMs).
       write_perm: "simt" only: also return perm [T*K] int32 with perm[dest[t, k]] = t*K + k.
-      hoist_dest: "tma" only: read the K*R destination rows before waiting for the row load.
       interpret: GPU interpret params (default: compiled on Hopper, interpret elsewhere).
     Returns:
       [T*K, D] in x.dtype (pure copy, exact), and perm when write_perm.
@@ -227,7 +274,7 @@ def scatter_rows(x, dest, *, method="tma", rows=None, nbuf=3, ctas_per_sm=2, gri
     interpret = interpret if interpret is not None else _interpret_params()
     dest = dest.astype(jnp.int32)
     if method == "tma":
-        return _scatter_rows_tma(x, dest, r, hoist_dest, interpret)
+        return _scatter_rows_tma(x, dest, r, interpret)
     if method == "tma_pipe":
         g = grid_ctas or ctas_per_sm * _num_sms()
         return _scatter_rows_tma_pipe(x, dest, r, nbuf, g, interpret)
@@ -241,7 +288,7 @@ def _block_start(b, r, t):
     return start, first - start
 
 
-def _scatter_rows_tma(x, dest, r, hoist_dest, interpret):
+def _scatter_rows_tma(x, dest, r, interpret):
     t, d = x.shape
     k = dest.shape[1]
 
@@ -249,14 +296,13 @@ def _scatter_rows_tma(x, dest, r, hoist_dest, interpret):
         start, skip = _block_start(lax.axis_index("b"), r, t)
         plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(start, r)], buf, bar,
                                 oob_mode=plgpu.OOBFillMode.PROMISE_IN_BOUNDS)
-        rows = [[dest_ref[start + i, j] for j in range(k)] for i in range(r)] if hoist_dest else None
+        rows = [[dest_ref[start + i, j] for j in range(k)] for i in range(r)]  # in flight now
         plgpu.barrier_wait(bar)
         for i in range(r):
             @pl.when(i >= skip)
             def _(i=i):
                 for j in range(k):
-                    row = rows[i][j] if hoist_dest else dest_ref[start + i, j]
-                    plgpu.copy_smem_to_gmem(buf.at[pl.ds(i, 1)], o_ref.at[pl.ds(row, 1)])
+                    plgpu.copy_smem_to_gmem(buf.at[pl.ds(i, 1)], o_ref.at[pl.ds(rows[i][j], 1)])
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)  # SMEM reads done; writes land
 
     return plgpu.kernel(
