@@ -428,18 +428,23 @@ def run_permute(name, s, rows):
 SWEEP_ROWS = {  # --permute-sweep: row-kernel variants per shape (label, scatter_rows kwargs).
     # The first GPU call (commit 8ba8ee3) swept tma R=1..4 (with and without the destination
     # reads hoisted), simt R=1..4 (+perm) and tma_pipe (R, nbuf, CTAs/SM); RESULTS.md, "v4".
-    "v2lite": [("tma R=4", dict(method="tma", rows=4)), ("simt R=1", dict(method="simt", rows=1))],
-    "v3": [("tma R=1", dict(method="tma", rows=1)), ("simt R=1", dict(method="simt", rows=1))],
+    "v2lite": [("tma R=4", dict(method="tma", rows=4))],
+    "v3": [("tma R=1", dict(method="tma", rows=1))],
     "tiny": [("tma R=4", dict(method="tma", rows=4)), ("simt R=2", dict(method="simt", rows=2)),
              ("simt R=2 +perm", dict(method="simt", rows=2, write_perm=True)),
              ("pipe R=2 nbuf=3 cps=2", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=2))],
 }
-SWEEP_SORTS = [  # --permute-sweep: routing sorts (label, PermuteConfig fields)
+SWEEP_SORTS = [  # --permute-sweep: routing sorts (label, PermuteConfig fields). Round 2
+    # (commit 4e4ab0a) also ran S=256/512 "lean" and the radix sort (slower; RESULTS.md, "v4").
     ("counting S=256 cumsum (v3)", dict(sort="counting", sort_block=256, sort_prefix="cumsum")),
-    ("counting S=256 lean", dict(sort="counting", sort_block=256, sort_prefix="lean")),
     ("counting S=128 lean", dict(sort="counting", sort_block=128, sort_prefix="lean")),
-    ("counting S=512 lean", dict(sort="counting", sort_block=512, sort_prefix="lean")),
-    ("radix (packed uint32 keys)", dict(sort="radix")),
+    ("counting S=64 lean", dict(sort="counting", sort_block=64, sort_prefix="lean")),
+    ("counting S=128 lean, scatter counts",
+     dict(sort="counting", sort_block=128, sort_prefix="lean", sort_counts="scatter")),
+    ("counting S=64 lean, scatter counts",
+     dict(sort="counting", sort_block=64, sort_prefix="lean", sort_counts="scatter")),
+    ("counting S=32 lean, scatter counts",
+     dict(sort="counting", sort_block=32, sort_prefix="lean", sort_counts="scatter")),
 ]
 SWEEP_DEADLINE = 420.0  # seconds since start: later optional parts are skipped
 PROFILE_DIR = None  # --profile-dir: jax.profiler traces of the permute programs go here
@@ -472,8 +477,7 @@ def kernel_sequence(trace_dir, last=24):
 def run_permute_sweep(name, s, rows, log=None):
     """v4 permute sweep (one GPU call): the row kernels of SWEEP_ROWS checked bitwise against the
     reference rows and timed (dest given); `api.permute` under `dispatch.DEFAULT_PERMUTE`
-    candidates (the v3 default, the "tma" kernel with each sort of SWEEP_SORTS, "simt" with the
-    leanest sort), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
+    candidates (the v3 default, the "tma" kernel with each sort of SWEEP_SORTS), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
     including the sort; the sorts' device time (chained); with --profile-dir, the kernel
     sequence of one permute call of the v3 default and of the fastest candidate. Parts after
     --deadline seconds are skipped. GB/s: read [T, D] + write [M, D] bf16."""
@@ -521,8 +525,6 @@ def run_permute_sweep(name, s, rows, log=None):
     # api.permute (incl. sort) under candidate default configs
     cands = [("v3 default (tma, counting S=256 cumsum)", dispatch.PermuteConfig())]
     cands += [(f"tma, {lab}", dispatch.PermuteConfig(**kw)) for lab, kw in SWEEP_SORTS[1:]]
-    cands += [("simt R=1, counting S=256 lean",
-               dispatch.PermuteConfig(method="simt", rows=1, sort_prefix="lean"))]
     saved = dispatch.DEFAULT_PERMUTE
     rag = 1000
     ref_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(
@@ -552,6 +554,8 @@ def run_permute_sweep(name, s, rows, log=None):
 
     # kernel sequence of one call: the v3 default and the fastest candidate
     if PROFILE_DIR and api_times:
+        import os
+        os.makedirs(PROFILE_DIR, exist_ok=True)
         fastest = min(api_times, key=lambda k: api_times[k][0])
         for label in dict.fromkeys([cands[0][0], fastest]):
             if label not in api_times:
@@ -571,8 +575,15 @@ def run_permute_sweep(name, s, rows, log=None):
                 seq = kernel_sequence(d, last=30)
                 print(f"[{name}] kernels of one permute call, {label}: (name, duration us, gap us)",
                       flush=True)
-                for nm, _, dur, gap in seq[-15:]:
+                if not seq:
+                    continue
+                last = max([i for i, e in enumerate(seq) if e[3] > 50.0] or [0])
+                for nm, _, dur, gap in seq[last:]:
                     print(f"    {dur:7.1f} {gap:6.1f}  {nm}", flush=True)
+                call = seq[last:]
+                print(f"[{name}] device time of one permute call, {label}: "
+                      f"{sum(e[2] for e in call):.1f} us in {len(call)} kernels, span "
+                      f"{call[-1][1] + call[-1][2] - call[0][1]:.1f} us", flush=True)
                 if log:
                     log.write(json.dumps(dict(shape=name, profile=label, kernels=seq)) + "\n")
             except Exception as err:  # noqa: BLE001

@@ -60,7 +60,8 @@ class PermuteConfig:
     method: row kernel, "tma" | "tma_pipe" | "simt". rows: R (None: `default_rows`). nbuf,
     ctas_per_sm: "tma_pipe" only. write_perm: "simt" only, the kernel writes perm (the sort
     skips its scatter). sort: "counting" (`counting_sort_by_expert`) | "radix"
-    (`radix_sort_by_expert`). sort_block, sort_prefix: the counting sort's S and prefix.
+    (`radix_sort_by_expert`). sort_block, sort_prefix, sort_counts: the counting sort's S,
+    prefix and counts.
     """
     method: str = "tma"
     rows: int | None = None
@@ -70,13 +71,14 @@ class PermuteConfig:
     sort: str = "counting"
     sort_block: int = 256
     sort_prefix: str = "cumsum"
+    sort_counts: str = "compare"
 
 
 DEFAULT_PERMUTE = PermuteConfig()
 
 
 def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="compare",
-                            prefix="cumsum", with_perm=True):
+                            prefix="cumsum", counts="compare", with_perm=True):
     """Stable counting sort of routed slots by expert.
 
     Args:
@@ -90,17 +92,21 @@ def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="
         "lean" (one inclusive cumulative sum over blocks; its last row gives the expert totals)
         or "dot" (strictly-lower-triangular [B, B] fp32 matmul at HIGHEST precision; exact
         while M < 2**24). Same result.
+      counts: block counts [B, E] of method "compare" by a fused compare-and-sum over
+        [B, S, E] ("compare") or an integer scatter-add of ones ("scatter"). Same result.
       with_perm: False skips the perm scatter (returns None for perm).
     Returns:
       group_sizes [E] int32, perm [M] int32 (== argsort(flat ids, stable=True)) or None,
       dest [T, K] int32 (dest.reshape(-1)[perm[i]] == i).
     Raises:
-      ValueError: unknown method or prefix.
+      ValueError: unknown method, prefix or counts.
     """
     if method not in ("compare", "matmul"):
         raise ValueError(f"method={method!r}: expected 'compare' or 'matmul'")
     if prefix not in ("cumsum", "lean", "dot"):
         raise ValueError(f"prefix={prefix!r}: expected 'cumsum', 'lean' or 'dot'")
+    if counts not in ("compare", "scatter"):
+        raise ValueError(f"counts={counts!r}: expected 'compare' or 'scatter'")
     t, k = topk_ids.shape
     m, e = t * k, num_experts
     flat = topk_ids.reshape(-1).astype(jnp.int32)
@@ -111,8 +117,12 @@ def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="
         earlier = jnp.tril(jnp.ones((s, s), jnp.bool_), -1)  # [i, j]: j < i
         rank = jnp.sum((padded[:, :, None] == padded[:, None, :]) & earlier, axis=2,
                        dtype=jnp.int32)  # [B, S]
-        counts = jnp.sum(padded[:, :, None] == jnp.arange(e, dtype=jnp.int32), axis=1,
-                         dtype=jnp.int32)  # [B, E]
+        if counts == "scatter":  # pad id e lands in column e, dropped
+            counts = jnp.zeros((nb, e + 1), jnp.int32).at[
+                jnp.arange(nb)[:, None], padded].add(1)[:, :e]
+        else:
+            counts = jnp.sum(padded[:, :, None] == jnp.arange(e, dtype=jnp.int32), axis=1,
+                             dtype=jnp.int32)  # [B, E]
     else:
         oh = jax.nn.one_hot(padded, e, dtype=jnp.bfloat16)  # [B, S, E]; id e: zero row
         tril = jnp.tril(jnp.ones((s, s), jnp.bfloat16), -1)
@@ -178,7 +188,8 @@ def routing_sort(topk_ids, num_experts, config=None, *, with_perm=True):
     if config.sort != "counting":
         raise ValueError(f"sort={config.sort!r}: expected 'counting' or 'radix'")
     return counting_sort_by_expert(topk_ids, num_experts, block=config.sort_block,
-                                   prefix=config.sort_prefix, with_perm=with_perm)
+                                   prefix=config.sort_prefix, counts=config.sort_counts,
+                                   with_perm=with_perm)
 
 
 def rows_per_cta(t, d, dtype):
