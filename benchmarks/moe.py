@@ -434,17 +434,12 @@ SWEEP_ROWS = {  # --permute-sweep: row-kernel variants per shape (label, scatter
              ("simt R=2 +perm", dict(method="simt", rows=2, write_perm=True)),
              ("pipe R=2 nbuf=3 cps=2", dict(method="tma_pipe", rows=2, nbuf=3, ctas_per_sm=2))],
 }
-SWEEP_SORTS = [  # --permute-sweep: routing sorts (label, PermuteConfig fields). Round 2
-    # (commit 4e4ab0a) also ran S=256/512 "lean" and the radix sort (slower; RESULTS.md, "v4").
-    ("counting S=256 cumsum (v3)", dict(sort="counting", sort_block=256, sort_prefix="cumsum")),
-    ("counting S=128 lean", dict(sort="counting", sort_block=128, sort_prefix="lean")),
-    ("counting S=64 lean", dict(sort="counting", sort_block=64, sort_prefix="lean")),
-    ("counting S=128 lean, scatter counts",
-     dict(sort="counting", sort_block=128, sort_prefix="lean", sort_counts="scatter")),
-    ("counting S=64 lean, scatter counts",
-     dict(sort="counting", sort_block=64, sort_prefix="lean", sort_counts="scatter")),
-    ("counting S=32 lean, scatter counts",
-     dict(sort="counting", sort_block=32, sort_prefix="lean", sort_counts="scatter")),
+SWEEP_SORTS = [  # --permute-sweep: routing sorts (label, PermuteConfig fields). Earlier rounds
+    # (commits 4e4ab0a, 0ecf9bd) ran S = 32..512 with each prefix and counts option and the
+    # radix sort; RESULTS.md, "v4 permute".
+    ("v3: counting S=256 cumsum", dict(sort="counting", sort_block=256, sort_prefix="cumsum",
+                                       sort_counts="compare")),
+    ("v4 default: counting S=sort_block_for(E) lean, scatter counts", {}),
 ]
 SWEEP_DEADLINE = 420.0  # seconds since start: later optional parts are skipped
 PROFILE_DIR = None  # --profile-dir: jax.profiler traces of the permute programs go here
@@ -477,9 +472,9 @@ def kernel_sequence(trace_dir, last=24):
 def run_permute_sweep(name, s, rows, log=None):
     """v4 permute sweep (one GPU call): the row kernels of SWEEP_ROWS checked bitwise against the
     reference rows and timed (dest given); `api.permute` under `dispatch.DEFAULT_PERMUTE`
-    candidates (the v3 default, the "tma" kernel with each sort of SWEEP_SORTS), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
+    candidates (the "tma" kernel with each sort of SWEEP_SORTS), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
     including the sort; the sorts' device time (chained); with --profile-dir, the kernel
-    sequence of one permute call of the v3 default and of the fastest candidate. Parts after
+    sequence and device time of one permute call of each candidate. Parts after
     --deadline seconds are skipped. GB/s: read [T, D] + write [M, D] bf16."""
     T, K, E, D = (s[k] for k in "TKED")
     M = T * K
@@ -523,8 +518,7 @@ def run_permute_sweep(name, s, rows, log=None):
             print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
 
     # api.permute (incl. sort) under candidate default configs
-    cands = [("v3 default (tma, counting S=256 cumsum)", dispatch.PermuteConfig())]
-    cands += [(f"tma, {lab}", dispatch.PermuteConfig(**kw)) for lab, kw in SWEEP_SORTS[1:]]
+    cands = [(f"tma, {lab}", dispatch.PermuteConfig(**kw)) for lab, kw in SWEEP_SORTS]
     saved = dispatch.DEFAULT_PERMUTE
     rag = 1000
     ref_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="reference"))(
@@ -552,20 +546,16 @@ def run_permute_sweep(name, s, rows, log=None):
             print(f"[{name}] permute {label} FAILED: {repr(err)[:300]}", flush=True)
     dispatch.DEFAULT_PERMUTE = saved
 
-    # kernel sequence of one call: the v3 default and the fastest candidate
+    # kernel sequence of one call of each candidate
     if PROFILE_DIR and api_times:
         import os
         os.makedirs(PROFILE_DIR, exist_ok=True)
-        fastest = min(api_times, key=lambda k: api_times[k][0])
-        for label in dict.fromkeys([cands[0][0], fastest]):
-            if label not in api_times:
-                continue
+        for n_c, label in enumerate(api_times):
             f = api_times[label][2]
-            d = f"{PROFILE_DIR}/{name}_{len(label)}"
+            d = f"{PROFILE_DIR}/{name}_{n_c}"
             try:
                 hlo = f.lower(x, ids).compile().as_text()
-                tag = "default" if label == cands[0][0] else "fastest"
-                with open(f"{PROFILE_DIR}/{name}_{tag}_hlo.txt", "w") as fh:
+                with open(f"{PROFILE_DIR}/{name}_{n_c}_hlo.txt", "w") as fh:
                     fh.write(f"# {label}\n{hlo}")
                 jax.block_until_ready(f(x, ids))
                 jax.profiler.start_trace(d)

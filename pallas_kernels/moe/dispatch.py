@@ -39,6 +39,7 @@ already stored, so every output row is written by exactly one CTA.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +61,9 @@ class PermuteConfig:
     method: row kernel, "tma" | "tma_pipe" | "simt". rows: R (None: `default_rows`). nbuf,
     ctas_per_sm: "tma_pipe" only. write_perm: "simt" only, the kernel writes perm (the sort
     skips its scatter). sort: "counting" (`counting_sort_by_expert`) | "radix"
-    (`radix_sort_by_expert`). sort_block, sort_prefix, sort_counts: the counting sort's S,
-    prefix and counts.
+    (`radix_sort_by_expert`). sort_block, sort_prefix, sort_counts: the counting sort's S
+    (None: `sort_block_for`), prefix and counts. Defaults: the fastest measured on the H200
+    (benchmarks/RESULTS.md, MoE "v4 permute").
     """
     method: str = "tma"
     rows: int | None = None
@@ -69,9 +71,9 @@ class PermuteConfig:
     ctas_per_sm: int = 2
     write_perm: bool = False
     sort: str = "counting"
-    sort_block: int = 256
-    sort_prefix: str = "cumsum"
-    sort_counts: str = "compare"
+    sort_block: int | None = None
+    sort_prefix: str = "lean"
+    sort_counts: str = "scatter"
 
 
 DEFAULT_PERMUTE = PermuteConfig()
@@ -154,6 +156,13 @@ def counting_sort_by_expert(topk_ids, num_experts, *, block=SORT_BLOCK, method="
     return group_sizes, perm, dest.reshape(t, k)
 
 
+def sort_block_for(num_experts):
+    """S for the counting sort: the rank work is M*S compares and the prefix over blocks
+    touches (M/S)*E counts, so S ~ sqrt(E); 4*sqrt(E) as a power of two, at least 16 (fitted
+    on the H200: 32 at E=64 and 64 at E=256 were the fastest of 32..256)."""
+    return max(16, pl.next_power_of_2(4 * math.isqrt(max(num_experts, 1))))
+
+
 def radix_sort_by_expert(topk_ids, num_experts, *, with_perm=True):
     """Stable sort of routed slots by expert through one sort of packed uint32 keys.
 
@@ -187,7 +196,8 @@ def routing_sort(topk_ids, num_experts, config=None, *, with_perm=True):
         return radix_sort_by_expert(topk_ids, num_experts, with_perm=with_perm)
     if config.sort != "counting":
         raise ValueError(f"sort={config.sort!r}: expected 'counting' or 'radix'")
-    return counting_sort_by_expert(topk_ids, num_experts, block=config.sort_block,
+    block = config.sort_block or sort_block_for(num_experts)
+    return counting_sort_by_expert(topk_ids, num_experts, block=block,
                                    prefix=config.sort_prefix, counts=config.sort_counts,
                                    with_perm=with_perm)
 

@@ -259,39 +259,116 @@ from pallas_kernels.moe import dispatch  # noqa: E402
 from pallas_kernels.moe.reference import sort_by_expert  # noqa: E402
 
 
-@pytest.mark.parametrize("t,k,e,block,method", [
-    (50, 6, 64, 256, "compare"), (37, 3, 8, 16, "compare"), (1, 1, 4, 256, "compare"),
-    (300, 8, 256, 64, "compare"), (129, 2, 5, 8, "compare"), (300, 8, 256, 64, "matmul"),
-    (37, 3, 8, 16, "matmul")])
-def test_counting_sort_matches_stable_argsort(t, k, e, block, method):
+@pytest.mark.parametrize("t,k,e,block,method,prefix,counts", [
+    (50, 6, 64, 256, "compare", "cumsum", "compare"), (37, 3, 8, 16, "compare", "lean", "scatter"),
+    (1, 1, 4, 256, "compare", "cumsum", "compare"), (300, 8, 256, 64, "compare", "lean", "scatter"),
+    (129, 2, 5, 8, "compare", "dot", "compare"), (300, 8, 256, 64, "matmul", "cumsum", "compare"),
+    (37, 3, 8, 16, "matmul", "lean", "compare"), (300, 6, 64, 32, "compare", "dot", "scatter")])
+def test_counting_sort_matches_stable_argsort(t, k, e, block, method, prefix, counts):
     rng = np.random.default_rng(t + e)
     ids = rng.integers(0, e, (t, k))  # repeats within a token too: ties must stay in slot order
     if t > 100:
         ids[: t // 2] = e // 3  # one heavy expert across many sort blocks
     ids = jnp.asarray(ids, jnp.int32)
-    gs, perm, dest = dispatch.counting_sort_by_expert(ids, e, block=block, method=method)
+    gs, perm, dest = dispatch.counting_sort_by_expert(ids, e, block=block, method=method,
+                                                      prefix=prefix, counts=counts)
     gs_ref, perm_ref = sort_by_expert(ids, e)
     assert gs.dtype == perm.dtype == dest.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(gs), np.asarray(gs_ref))
     np.testing.assert_array_equal(np.asarray(perm), np.asarray(perm_ref))
     np.testing.assert_array_equal(np.asarray(dest).reshape(-1)[np.asarray(perm)], np.arange(t * k))
+    _, no_perm, dest2 = dispatch.counting_sort_by_expert(ids, e, block=block, method=method,
+                                                         prefix=prefix, counts=counts,
+                                                         with_perm=False)
+    assert no_perm is None
+    np.testing.assert_array_equal(np.asarray(dest2), np.asarray(dest))
 
 
+@pytest.mark.parametrize("t,k,e", [(50, 6, 64), (1, 1, 4), (300, 8, 256)])
+def test_radix_sort_and_default_routing_sort_match_stable_argsort(t, k, e):
+    ids = np.random.default_rng(t).integers(0, e, (t, k))
+    ids[: t // 2] = e - 1
+    ids = jnp.asarray(ids, jnp.int32)
+    gs_ref, perm_ref = sort_by_expert(ids, e)
+    for cfg in (dispatch.PermuteConfig(sort="radix"), dispatch.PermuteConfig()):
+        gs, perm, dest = dispatch.routing_sort(ids, e, cfg)
+        np.testing.assert_array_equal(np.asarray(gs), np.asarray(gs_ref))
+        np.testing.assert_array_equal(np.asarray(perm), np.asarray(perm_ref))
+        np.testing.assert_array_equal(np.asarray(dest).reshape(-1)[np.asarray(perm)],
+                                      np.arange(t * k))
+    with pytest.raises(ValueError, match="sort"):
+        dispatch.routing_sort(ids, e, dispatch.PermuteConfig(sort="bitonic"))
+    assert [dispatch.sort_block_for(n) for n in (4, 64, 256)] == [16, 32, 64]
+
+
+# row kernels: (method, extra kwargs); tma_pipe with a small grid so each CTA walks the ring
+# several times (ragged T: the last block is shifted and skips rows)
+ROW_KERNELS = [("tma", {}), ("tma_pipe", dict(nbuf=3, grid_ctas=3)),
+               ("tma_pipe", dict(nbuf=2, grid_ctas=2)), ("simt", {}), ("simt", dict(write_perm=True))]
+
+
+@pytest.mark.parametrize("method,extra", ROW_KERNELS)
 @pytest.mark.parametrize("t,k,d,rows,dtype", [(37, 3, 128, 4, jnp.bfloat16),   # ragged last block
-                                              (5, 2, 64, None, jnp.float32),
-                                              (16, 6, 256, None, jnp.bfloat16),
-                                              (3, 8, 192, 2, jnp.bfloat16)])
-def test_scatter_rows_kernel_exact(t, k, d, rows, dtype):
+                                              (5, 2, 256, None, jnp.float32),
+                                              (16, 6, 1024, None, jnp.bfloat16),
+                                              (3, 8, 256, 2, jnp.bfloat16)])
+def test_scatter_rows_kernels_exact(method, extra, t, k, d, rows, dtype):
     x = jax.random.normal(jax.random.key(t), (t, d)).astype(dtype)
     ids = jnp.asarray(np.random.default_rng(k).integers(0, 8, (t, k)), jnp.int32)
     _, perm, dest = dispatch.counting_sort_by_expert(ids, 8)
-    out = dispatch.scatter_rows(x, dest, rows=rows)
+    out = dispatch.scatter_rows(x, dest, method=method, rows=rows, **extra)
+    if extra.get("write_perm"):
+        out, kperm = out
+        np.testing.assert_array_equal(np.asarray(kperm), np.asarray(perm))
     assert out.shape == (t * k, d) and out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[np.asarray(perm) // k])
 
 
-def test_permute_pallas_bit_identical_to_reference_with_grad():
-    t, k, e, d = 21, 6, 16, 64
+def test_scatter_rows_tma_small_rows_and_errors():
+    x = jax.random.normal(jax.random.key(0), (5, 64), jnp.float32)  # 256-byte rows: tma only
+    _, perm, dest = dispatch.counting_sort_by_expert(jnp.asarray([[0, 1]] * 5, jnp.int32), 2)
+    out = dispatch.scatter_rows(x, dest)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[np.asarray(perm) // 2])
+    with pytest.raises(ValueError, match="multiple of 128"):
+        dispatch.scatter_rows(x, dest, method="simt")
+    with pytest.raises(ValueError, match="write_perm"):
+        dispatch.scatter_rows(x, dest, write_perm=True)
+    with pytest.raises(ValueError, match="method"):
+        dispatch.scatter_rows(x, dest, method="gather")
+    # a config asking for simt falls back to tma where simt cannot take the row width
+    assert dispatch.resolve_method(dispatch.PermuteConfig(method="simt"), x, 2) == "tma"
+
+
+@pytest.mark.skipif(mosaic_gpu.on_hopper(), reason="race detection runs in CPU interpret mode")
+def test_row_kernels_no_races():
+    """GPU interpret mode with race detection: the pipelined ring (TMA loads refilling buffers
+    that earlier bulk stores read) and the simt kernel writing perm, ragged T."""
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    t, k, d = 21, 3, 256
+    x = jax.random.normal(jax.random.key(5), (t, d)).astype(jnp.bfloat16)
+    ids = jnp.asarray(np.random.default_rng(5).integers(0, 6, (t, k)), jnp.int32)
+    _, perm, dest = dispatch.counting_sort_by_expert(ids, 6)
+    ref = np.asarray(x)[np.asarray(perm) // k]
+    ip = plgpu.InterpretGPUParams(detect_races=True)
+    for method, extra in (("tma_pipe", dict(nbuf=2, grid_ctas=2, rows=2)),
+                          ("simt", dict(write_perm=True, rows=4)), ("tma", dict(rows=4))):
+        out = dispatch.scatter_rows(x, dest, method=method, interpret=ip, **extra)
+        if method == "simt":
+            out, kperm = out
+            np.testing.assert_array_equal(np.asarray(kperm), np.asarray(perm))
+        np.testing.assert_array_equal(np.asarray(out), ref)
+        assert not gpu_callbacks.get_races().races_found, method
+
+
+@pytest.mark.parametrize("config", [
+    dispatch.PermuteConfig(),  # the default (tma rows, counting sort S=sort_block_for(E))
+    dispatch.PermuteConfig(sort_block=256, sort_prefix="cumsum", sort_counts="compare"),  # v3
+    dispatch.PermuteConfig(method="simt", write_perm=True),  # perm written by the kernel
+    dispatch.PermuteConfig(method="tma_pipe", rows=2, sort="radix")])
+def test_permute_pallas_bit_identical_to_reference_with_grad(config, monkeypatch):
+    monkeypatch.setattr(dispatch, "DEFAULT_PERMUTE", config)
+    t, k, e, d = 21, 6, 16, 128
     x = jax.random.normal(jax.random.key(2), (t, d)).astype(jnp.bfloat16)
     ids = routing("zipf", t, k, e, seed=4)
     g = jax.random.normal(jax.random.key(3), (t * k, d)).astype(jnp.bfloat16)
