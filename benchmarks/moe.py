@@ -1,13 +1,18 @@
 """MoE expert-layer benchmark (GPU): ours vs jax.lax.ragged_dot, tokamax mosaic, dense GEMM.
 
-Usage: python benchmarks/moe.py [--shapes v2lite,v3] [--sweep] [--json PATH] [--permute-only] [--permute-sweep]
-  [--permute] [--sort-timing] [--only-ours] [--configs n-aligned,m-aligned,v1,m-fixed]
+Usage: python benchmarks/moe.py [--shapes v2lite,v3] [--sweep] [--json PATH] [--permute-only]
+  [--permute-sweep] [--permute] [--sort-timing] [--only-ours]
+  [--configs n-aligned,m-aligned,v1,m-fixed]
   [--swiglu-shapes v2lite] [--fb-only] [--hlo-dir DIR] [--quick]
   --permute: permute section first; --sort-timing: routing sorts' device time (chained);
   --configs: gmm forward configs timed side by side; --swiglu-shapes: where the fused
   gate/up+SwiGLU kernel and the XLA SwiGLU passes are timed; --fb-only: only the gate/up GEMM
   fwd+bwd under both transposed-GEMM (dx) configs; --hlo-dir: optimized HLO of the layer
-  fwd+bwd programs. Commands and results: benchmarks/RESULTS.md, "MoE".
+  fwd+bwd programs. --permute-sweep [--deadline S] [--profile-dir DIR]: only the permute
+  sweep (row kernels of SWEEP_ROWS, `api.permute` under the PermuteConfigs of SWEEP_SORTS, each
+  checked bitwise; the sorts' device time; with DIR, a trace and the kernels of one call);
+  --ptx-summary DIR: instruction counts of PTX dumped by MOSAIC_GPU_DUMP_PTX=1
+  MOSAIC_GPU_DUMP_TO=DIR. Commands and results: benchmarks/RESULTS.md, "MoE".
 
 Per shape (T tokens, top-K of E experts, hidden D, expert width I; M = T*K routed rows):
   gemm  : the gate/up grouped GEMM alone, [M, D] x [E, D, 2I]            (2*M*D*2I FLOPs fwd)
@@ -472,10 +477,10 @@ def kernel_sequence(trace_dir, last=24):
 def run_permute_sweep(name, s, rows, log=None):
     """v4 permute sweep (one GPU call): the row kernels of SWEEP_ROWS checked bitwise against the
     reference rows and timed (dest given); `api.permute` under `dispatch.DEFAULT_PERMUTE`
-    candidates (the "tma" kernel with each sort of SWEEP_SORTS), each checked bitwise (x_sorted, group_sizes, perm; ragged T = 1000) and timed
-    including the sort; the sorts' device time (chained); with --profile-dir, the kernel
-    sequence and device time of one permute call of each candidate. Parts after
-    --deadline seconds are skipped. GB/s: read [T, D] + write [M, D] bf16."""
+    candidates (the "tma" kernel with each sort of SWEEP_SORTS), each checked bitwise (x_sorted,
+    group_sizes, perm; ragged T = 1000) and timed including the sort; the sorts' device time
+    (chained); with --profile-dir, the kernel sequence and device time of one permute call of
+    each candidate. Parts after --deadline seconds are skipped. GB/s: read [T, D] + write [M, D] bf16."""
     T, K, E, D = (s[k] for k in "TKED")
     M = T * K
     pb = (T * D + M * D) * 2
@@ -509,7 +514,8 @@ def run_permute_sweep(name, s, rows, log=None):
             out = jax.block_until_ready(f(x, dest))
             if kw.get("write_perm"):
                 out, kperm = out
-                exact = bool(jnp.array_equal(out, ref_xs)) and bool(jnp.array_equal(kperm, ref_perm))
+                exact = (bool(jnp.array_equal(out, ref_xs))
+                         and bool(jnp.array_equal(kperm, ref_perm)))
             else:
                 exact = bool(jnp.array_equal(out, ref_xs))
             del out
@@ -532,7 +538,8 @@ def run_permute_sweep(name, s, rows, log=None):
         try:
             f = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))
             outs = jax.block_until_ready(f(x, ids))
-            same = all(bool(jnp.array_equal(a, b)) for a, b in zip(outs, (ref_xs, ref_gs, ref_perm)))
+            same = all(bool(jnp.array_equal(a, b))
+                       for a, b in zip(outs, (ref_xs, ref_gs, ref_perm)))
             del outs
             o_rag = jax.jit(lambda x, i: api.permute(x, i, num_experts=E, impl="pallas"))(
                 x[:rag], ids[:rag])
@@ -635,7 +642,7 @@ def run_sort_timing(name, s, rows):
 
 PTX_PATTERNS = ("st.global.v4", "st.global.v2", "st.global.b16", "st.global.u16", "st.global.b32",
                 "st.global.u32", "ld.global.v4", "ld.global.v2", "ld.global.nc.v4",
-                "cp.async.bulk.global.shared", "cp.async.bulk.shared", "mov.u32 %r", "ld.global.b32")
+                "cp.async.bulk.global.shared", "cp.async.bulk.shared", "ld.global.b32")
 
 
 def ptx_summary(folder):

@@ -10,7 +10,8 @@ Backends (`impl`):
   "auto":      "pallas" on a Hopper GPU when the shapes fit the kernels, else "reference".
 permute: "reference" is a stable argsort + XLA row gather; "pallas" (and "auto" on Hopper) is
 a stable counting sort (dispatch.py, same perm) + a Mosaic GPU row-scatter kernel that reads
-each token row once and writes its K copies. Its gradient is a K-row gather + fp32 sum per
+each token row once and writes its K copies (which sort and kernel: `dispatch.DEFAULT_PERMUTE`,
+a `dispatch.PermuteConfig`). Its gradient is a K-row gather + fp32 sum per
 token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend; gradients
 are inverse gathers (no scatter-add).
 

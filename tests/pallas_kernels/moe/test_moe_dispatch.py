@@ -304,7 +304,8 @@ def test_radix_sort_and_default_routing_sort_match_stable_argsort(t, k, e):
 # row kernels: (method, extra kwargs); tma_pipe with a small grid so each CTA walks the ring
 # several times (ragged T: the last block is shifted and skips rows)
 ROW_KERNELS = [("tma", {}), ("tma_pipe", dict(nbuf=3, grid_ctas=3)),
-               ("tma_pipe", dict(nbuf=2, grid_ctas=2)), ("simt", {}), ("simt", dict(write_perm=True))]
+               ("tma_pipe", dict(nbuf=2, grid_ctas=2)), ("simt", {}),
+               ("simt", dict(write_perm=True))]
 
 
 @pytest.mark.parametrize("method,extra", ROW_KERNELS)
