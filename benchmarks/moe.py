@@ -429,6 +429,19 @@ def run_permute(name, s, rows):
         except Exception as err:  # noqa: BLE001
             print(f"[{name}] {op} {impl} FAILED: {repr(err)[:300]}", flush=True)
 
+    # In-program time: CHAIN permutes of different routings in one jitted program (as in a
+    # training step, where the permute is not a program of its own); ms and GB/s per permute.
+    chain = 8
+    ids_n = jnp.stack([jnp.roll(ids, 97 * j, axis=0) for j in range(chain)])
+    for impl in ("pallas", "reference"):
+        def many(x, idn, impl=impl):
+            return [api.permute(x, idn[j], num_experts=E, impl=impl)[0] for j in range(chain)]
+        try:
+            add("permute", f"{impl}, {chain} routings in one program", "fwd",
+                bench(jax.jit(many), x, ids_n) / chain, pb, note="time per permute")
+        except Exception as err:  # noqa: BLE001
+            print(f"[{name}] permute chain {impl} FAILED: {repr(err)[:300]}", flush=True)
+
 
 SWEEP_ROWS = {  # --permute-sweep: row-kernel variants per shape (label, scatter_rows kwargs).
     # The first GPU call (commit 8ba8ee3) swept tma R=1..4 (with and without the destination
