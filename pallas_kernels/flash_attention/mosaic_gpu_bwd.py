@@ -22,6 +22,13 @@ between the warpgroups from step to step (MLA: 3 chunks of 64 columns, 2 + 1 the
 
 `backward` has the inputs and outputs of `mosaic_gpu._backward`; shapes whose shared memory
 does not fit the fused kernel (Dqk + Dv > 320, e.g. 256/256) go to that two-kernel backward.
+
+Status (H200, RESULTS.md "v3 fused backward"): correct (compiled: dk, dv bitwise equal to v1,
+dq 6e-5 from v1), but not faster: MLA B4 T4096 3.39 ms vs v1 2.51 ms, 128/128 1.91 vs 1.88.
+ptxas spills 1.7 KB (MLA) / 0.8 KB (128/128) per thread at 240 registers, and with 192-224 KiB
+of shared memory the L1 left for local memory is small; the timing ablations in `FusedConfig`
+put the extra time in the dQ part (products + fp32 staging: +0.95 ms at MLA; reduce-adds
++0.56 ms), not in the dS exchange (+0.30 ms) nor the dK/dV step (1.57 ms alone).
 """
 from __future__ import annotations
 
@@ -50,6 +57,10 @@ class FusedConfig:
     dq_cols: int = 64        # dQ columns per wgmma and per TMA reduce-add
     p_bf16: bool = False     # form dS from the bf16-rounded P (16 fewer live registers)
     regs: tuple = (240, 24)  # setmaxnreg of the compute / producer warpgroups
+    # Timing ablations (wrong dq, for diagnosis only): "no_reduce" skips the TMA reduce-adds,
+    # "no_dq" also the dQ products and staging (the dS^T exchange stays), "no_exchange" also
+    # the dS^T stores and barriers (what remains is the v1 dk/dv kernel's step).
+    ablate: str = ""
 
 
 BQ = BKV = 64
@@ -133,8 +144,9 @@ def _fused_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_
             plgpu.barrier_wait(k_bar.at[0])      # dQ reads the K tiles of both warpgroups
             plgpu.barrier_wait(k_bar.at[1])
             plgpu.barrier_wait(v_bar.at[wg])
-            plgpu.barrier_arrive(ds_free.at[0])  # both dS^T buffers start free
-            plgpu.barrier_arrive(ds_free.at[1])
+            if fc.ablate != "no_exchange":
+                plgpu.barrier_arrive(ds_free.at[0])  # both dS^T buffers start free
+                plgpu.barrier_arrive(ds_free.at[1])
 
             def dq_step(j):
                 """dQ columns of this warpgroup for step j, over the keys of both warpgroups."""
@@ -142,6 +154,9 @@ def _fused_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_
                 qs = pl.ds(c * bq, bq)
                 buf = lax.rem(j, 2)
                 plgpu.barrier_wait(ds_ready.at[buf])
+                if fc.ablate == "no_dq":
+                    plgpu.barrier_arrive(ds_free.at[buf])
+                    return
                 mine = lax.rem(wg + j, 2) == 0
                 for pred, chunks in ((mine, chunk_sets[0]), (~mine, chunk_sets[1])):
                     @pl.when(pred)
@@ -159,7 +174,11 @@ def _fused_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_
                             part = pl.run_scoped(body, plgpu.ACC((bq, dqc), jnp.float32))
                             if i == len(chunks) - 1:
                                 plgpu.barrier_arrive(ds_free.at[buf])
-                            if interpret is not None:
+                            if fc.ablate == "no_reduce":
+                                st = dq_stage.at[wg]
+                                st[...] = part
+                                plgpu.commit_smem()
+                            elif interpret is not None:
                                 # GPU interpret mode (jax 0.11.2) has no TMA reductions; it runs
                                 # CTAs one after another, so a read-modify-write is exact.
                                 dq_ref[b, qs, h, cols] = dq_ref[b, qs, h, cols] + part
@@ -173,6 +192,8 @@ def _fused_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_
 
             def publish(j, dsT16):
                 """Hand this step's dS^T to both warpgroups, then do the previous step's dQ."""
+                if fc.ablate == "no_exchange":
+                    return
                 buf = lax.rem(j, 2)
                 plgpu.barrier_wait(ds_free.at[buf])
                 ds_smems.at[wg, buf][...] = dsT16
@@ -242,13 +263,14 @@ def _fused_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_
 
             dk, dv = lax.fori_loop(0, G, head, (dk, dv))
 
-            @pl.when(n > 0)
-            def _():
-                dq_step(n - 1)
+            if fc.ablate != "no_exchange":
+                @pl.when(n > 0)
+                def _():
+                    dq_step(n - 1)
 
-            # The other warpgroup's last dQ reads this K tile: wait before overwriting it.
-            plgpu.barrier_wait(ds_free.at[0])
-            plgpu.barrier_wait(ds_free.at[1])
+                # The other warpgroup's last dQ reads this K tile: wait before overwriting it.
+                plgpu.barrier_wait(ds_free.at[0])
+                plgpu.barrier_wait(ds_free.at[1])
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
