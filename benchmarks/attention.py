@@ -4,10 +4,19 @@ Run on the GPU machine: `python benchmarks/attention.py [--quick]`. Prints one t
 FLOPs: forward 2*B*N*T*S*(Dqk+Dv), halved for causal; forward+backward = 3.5x forward
 (backward counted as 2.5x forward). Inputs bf16, random normal (never zeros).
 Each cell: median over `reps` timings of `iters` back-to-back calls, after a warm-up call.
+
+`--impls` takes `ours`, `ours:VARIANT` (a `VARIANTS` entry: Config fields changed from
+`default_config`; one name may be listed twice to time it twice), `cudnn`, `tokamax`, `xla`.
+`--check` compares every impl with the fp32 chunked reference (`attention_reference` at
+"highest" matmul precision): relative L2 error of o and of dq, dk, dv (cotangent: one random
+dO), and for ours the max abs error of the natural lse. `--budget S` skips the cells left once
+S seconds have passed; `--json F` writes the rows.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import statistics
 import sys
 import time
@@ -19,6 +28,8 @@ import numpy as np
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
+from pallas_kernels.flash_attention import mosaic_gpu  # noqa: E402
+from pallas_kernels.flash_attention.reference import attention_reference  # noqa: E402
 
 SHAPES = [  # (name, B, T, N, Dqk, Dv, causal)
     ("MLA B4 T4096 N16 192/128 causal", 4, 4096, 16, 192, 128, True),
@@ -27,8 +38,34 @@ SHAPES = [  # (name, B, T, N, Dqk, Dv, causal)
 ]
 
 
+VARIANTS = {   # name: Config fields changed from default_config (forward v1 = before session 3)
+    "v1": dict(fwd_overlap=False, fwd_longest_first=False),
+    "v1lf": dict(fwd_overlap=False, fwd_longest_first=True),
+    "ov": dict(fwd_overlap=True, fwd_longest_first=False),
+    "ovlf": dict(fwd_overlap=True, fwd_longest_first=True),
+    "s3": dict(stages_bwd=3),
+    "dq128": dict(block_kv_dq=128),
+    "qdkv128": dict(block_q_dkv=128),
+    "dq128s3": dict(block_kv_dq=128, stages_bwd=3),
+}
+
+
 def ours(q, k, v, causal):
     return flash_attention(q, k, v, causal=causal, impl="pallas")
+
+
+def ours_variant(name):
+    def run(q, k, v, causal, return_lse=False):
+        cfg = dataclasses.replace(mosaic_gpu.default_config(q.shape[-1], v.shape[-1]),
+                                  **VARIANTS[name])
+        interpret = None
+        if jax.devices()[0].platform != "gpu":   # --tiny on CPU: GPU interpret mode
+            from jax.experimental.pallas import mosaic_gpu as plgpu
+            interpret = plgpu.InterpretGPUParams()
+        o, lse = mosaic_gpu.flash_attention_mosaic(q, k, v, causal=causal, cfg=cfg,
+                                                   interpret=interpret)
+        return (o, lse) if return_lse else o
+    return run
 
 
 def cudnn(q, k, v, causal):
@@ -62,14 +99,29 @@ IMPLS = [("ours", ours), ("cudnn", cudnn), ("tokamax", tokamax_mosaic), ("xla", 
 def _time(fn, args, iters, reps):
     out = fn(*args)
     jax.block_until_ready(out)
+    # GPU interpret mode (CPU) has global simulator state: never run two calls at once there.
+    sync_each = jax.devices()[0].platform != "gpu"
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
         for _ in range(iters):
             out = fn(*args)
+            if sync_each:
+                jax.block_until_ready(out)
         jax.block_until_ready(out)
         ts.append((time.perf_counter() - t0) / iters)
     return statistics.median(ts)
+
+
+def _impl(iname):
+    if iname.startswith("ours:"):
+        return ours_variant(iname.split(":", 1)[1])
+    return dict(IMPLS)[iname]
+
+
+def _rel(x, y):
+    x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+    return float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
 
 
 def main():
@@ -78,9 +130,15 @@ def main():
     ap.add_argument("--impls", default=",".join(n for n, _ in IMPLS))
     ap.add_argument("--shapes", default="0,1,2")
     ap.add_argument("--tiny", action="store_true", help="smoke test: T=256, N=2 (any backend)")
+    ap.add_argument("--check", action="store_true", help="errors vs the fp32 reference")
+    ap.add_argument("--budget", type=float, default=0.0, help="seconds; 0 = no limit")
+    ap.add_argument("--json", default="")
+    ap.add_argument("--shape-impls", action="append", default=[],
+                    help="SI=LIST: impls for shape SI instead of --impls (repeatable)")
     a = ap.parse_args()
+    per_shape = dict(x.split("=", 1) for x in a.shape_impls)
     iters, reps = (3, 3) if a.quick else (5, 5)
-    names = a.impls.split(",")
+    t_start = time.perf_counter()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     rows = []
     for si in map(int, a.shapes.split(",")):
@@ -93,10 +151,20 @@ def main():
         v = jax.random.normal(ks[2], (B, T, N, Dv), jnp.bfloat16)
         do = jax.random.normal(ks[3], (B, T, N, Dv), jnp.bfloat16)
         flops = 2.0 * B * N * T * T * (Dqk + Dv) * (0.5 if causal else 1.0)
-        ref_o = ref_g = None
-        for iname, impl in IMPLS:
-            if iname not in names:
+        ref_o = ref_g = ref_lse = None
+        if a.check:
+            def ref_fn(q, k, v, do):
+                (o, lse), vjp = jax.vjp(
+                    lambda *y: attention_reference(*y, causal=causal, return_lse=True), q, k, v)
+                return o, lse, vjp((do, jnp.zeros_like(lse)))
+            with jax.default_matmul_precision("highest"):
+                ref_o, ref_lse, ref_g = jax.jit(ref_fn)(
+                    *(x.astype(jnp.float32) for x in (q, k, v, do)))
+        for iname in per_shape.get(str(si), a.impls).split(","):
+            if a.budget and time.perf_counter() - t_start > a.budget:
+                print(f"budget: skip {name} / {iname}", flush=True)
                 continue
+            impl = _impl(iname)
             try:
                 fwd = jax.jit(lambda q, k, v, impl=impl: impl(q, k, v, causal))
 
@@ -104,26 +172,41 @@ def main():
                     o, vjp = jax.vjp(lambda *x: impl(*x, causal), q, k, v)
                     return o, vjp(do)
                 fwdbwd = jax.jit(fb)
+                # Forward first: under GPU interpret mode (CPU) a jitted fwd+bwd as the first
+                # call of the kernels hangs (seen with the committed kernels too).
+                jax.block_until_ready(fwd(q, k, v))
                 o, g = fwdbwd(q, k, v)
-                if ref_o is None:   # first impl that runs (ours) is compared with cudnn below
+                if ref_o is None:   # no reference: compare with the first impl that runs
                     ref_o, ref_g = o, g
                     err = "-"
                 else:
-                    rel = lambda x, y: float(jnp.linalg.norm((x - y).astype(jnp.float32))
-                                             / jnp.linalg.norm(y.astype(jnp.float32)))
                     err = "o %.1e dq %.1e dk %.1e dv %.1e" % (
-                        rel(ref_o, o), *(rel(x, y) for x, y in zip(ref_g, g)))
+                        _rel(o, ref_o), *(_rel(x, y) for x, y in zip(g, ref_g)))
+                if a.check and iname.startswith("ours"):
+                    fl = ours_variant(iname.split(":", 1)[1]) if ":" in iname else (
+                        lambda q, k, v, c, return_lse: flash_attention(
+                            q, k, v, causal=c, impl="pallas", return_lse=return_lse))
+                    o2, lse = jax.jit(lambda q, k, v: fl(q, k, v, causal, return_lse=True))(q, k, v)
+                    fin = jnp.isfinite(ref_lse)
+                    lse_err = float(jnp.max(jnp.where(fin, jnp.abs(lse - ref_lse), 0.0)))
+                    same = bool(jnp.all(jnp.isfinite(lse) == fin))
+                    err += " lse %.1e%s" % (lse_err, "" if same else " (-inf rows differ!)")
+                    assert not bool(jnp.isnan(o2.astype(jnp.float32)).any()), "NaN in o"
                 tf = _time(fwd, (q, k, v), iters, reps)
                 tfb = _time(fwdbwd, (q, k, v), iters, reps)
                 rows.append((name, iname, flops / tf / 1e12, 3.5 * flops / tfb / 1e12,
                              tf * 1e3, tfb * 1e3, err))
-                print(rows[-1], flush=True)
             except Exception as e:  # noqa: BLE001 - report and keep benchmarking the rest
                 traceback.print_exc()
                 rows.append((name, iname, float("nan"), float("nan"), float("nan"), float("nan"),
                              f"FAILED {type(e).__name__}: {str(e)[:80]}"))
+            print(rows[-1], "t=%.0fs" % (time.perf_counter() - t_start), flush=True)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+    ref_name = "fp32 reference" if a.check else "first impl"
     print("\n| shape | impl | fwd TFLOP/s | fwd+bwd TFLOP/s | fwd ms | fwd+bwd ms | bwd ms |"
-          " rel. diff vs ours |")
+          f" rel. error vs {ref_name} |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.3f} | {r[5]:.3f} |"
