@@ -38,11 +38,9 @@ SHAPES = [  # (name, B, T, N, Dqk, Dv, causal)
 ]
 
 
-VARIANTS = {   # name: Config fields changed from default_config (forward v1 = before session 3)
-    "v1": dict(fwd_overlap=False, fwd_longest_first=False),
-    "v1lf": dict(fwd_overlap=False, fwd_longest_first=True),
-    "ov": dict(fwd_overlap=True, fwd_longest_first=False),
-    "ovlf": dict(fwd_overlap=True, fwd_longest_first=True),
+VARIANTS = {   # name: Config fields changed from default_config (v1: forward before session 3)
+    "v1": dict(fwd_longest_first=False),
+    "lf": dict(fwd_longest_first=True),
     "s3": dict(stages_bwd=3),
     "dq128": dict(block_kv_dq=128),
     "qdkv128": dict(block_q_dkv=128),

@@ -44,11 +44,9 @@ class Config:
     block_kv_dkv: int = 64   # dkv kernel: key rows per warpgroup
     block_q_dkv: int = 64    # dkv kernel: query rows per step
     stages_bwd: int = 2
-    # Forward schedule (v3). fwd_overlap: FA3 intra-warpgroup overlap: step j issues
-    # S_j = Q K_j^T and O += P_{j-1} V_{j-1} back to back, then runs softmax(S_j) while the PV
-    # product is in flight. fwd_longest_first: causal grids run the query tiles with the most
-    # key blocks first (less idle tail at the end of the launch).
-    fwd_overlap: bool = True
+    # Forward (v3): causal grids run the query tiles with the most key blocks first, so the
+    # launch does not end on a wave of the longest tiles (H200: MLA B4 T4096 fwd 509-514 ->
+    # 558 TFLOP/s, RESULTS.md "v3 forward").
     fwd_longest_first: bool = True
 
 
@@ -228,129 +226,6 @@ def _compiler_params():
 # Forward.
 # ----------------------------------------------------------------------------------------------
 
-def _fwd_overlap_loops(L, lo, mlo, mhi, hi, H, carry, *, q_smem, k_smems, v_smems, k_bar, v_bar,
-                       k_cons, v_cons, sched, sync, skip, mask, stage, c2, stages, bq, bkv, Dv,
-                       dtype, interpret):
-    """One compute warpgroup's key loop with FA3's intra-warpgroup overlap (Shah et al. 2024,
-    arXiv 2407.08608, sec. 3.2): step j issues S_j = Q K_j^T and then O += P_{j-1} V_{j-1}
-    without waiting in between, waits for S_j only, and runs softmax(S_j) while the PV product
-    is still in flight; O is read back (and rescaled by alpha_j) after the softmax.
-
-    carry = (acc [bq, Dv] fp32, m [bq], l [bq]) as in the plain loop; returns the same after
-    the last block's PV product. Barrier use per CTA key block is the plain loop's: two `sync`
-    phases, one K and one V consumption (V_j is released one step later, after its product).
-    Softmax in base 2 with the scale folded into one FMA per score: p = exp2(s * c2 - m2),
-    m2 = max(m2, rowmax(s) * c2) (c2 > 0; otherwise the scores are scaled first).
-    """
-    acc0, m0, l0 = carry
-    row = lambda x, shape: lax.broadcast_in_dim(x, shape, [0])
-
-    def softmax(s, ki, m_i, l_i, masked):
-        if c2 > 0:
-            if masked:
-                s = mask(s, ki)
-            m_new = jnp.maximum(m_i, s.max(axis=1) * c2)
-            p = jnp.exp2(s * c2 - row(m_new, s.shape))
-        else:
-            s = s * c2
-            if masked:
-                s = mask(s, ki)
-            m_new = jnp.maximum(m_i, s.max(axis=1))
-            p = jnp.exp2(s - row(m_new, s.shape))
-        alpha = jnp.exp2(m_i - m_new)
-        return p.astype(dtype), m_new, l_i * alpha + p.sum(axis=1), alpha
-
-    def first(ki, c):                    # block lo: S only
-        acc, m_i, l_i, p16, alpha = c
-        slot = lax.rem(ki - L, stages)
-        sync()
-        plgpu.barrier_wait(k_bar.at[slot])
-
-        def qk(s_acc):
-            plgpu.wgmma(s_acc, q_smem, k_smems.at[slot].T)
-            plgpu.barrier_arrive(sched)
-            return s_acc[...]
-        s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(k_cons.at[slot])
-        plgpu.barrier_wait(sched)
-        p16, m_i, l_i, alpha = softmax(s, ki, m_i, l_i, True)
-        return acc, m_i, l_i, p16, alpha
-
-    def step(ki, c, *, masked):          # blocks lo+1 .. hi-1: S_ki, then PV_{ki-1} in flight
-        acc, m_i, l_i, p16, alpha = c
-        slot = lax.rem(ki - L, stages)
-        pslot = lax.rem(ki - 1 - L, stages)
-        acc = acc * row(alpha, acc.shape)
-        sync()
-
-        def issue(s_acc, o_acc):         # both waits first: nothing between the two wgmmas
-            plgpu.barrier_wait(k_bar.at[slot])
-            plgpu.barrier_wait(v_bar.at[pslot])
-            plgpu.wgmma(s_acc, q_smem, k_smems.at[slot].T)
-            a = p16
-            if interpret:                # interpret mode reads wgmma operands from SMEM only
-                stage[...] = p16
-                a = stage
-            plgpu.wgmma(o_acc, a, v_smems.at[pslot])
-            plgpu.barrier_arrive(sched)
-
-        def after_s(s):
-            plgpu.barrier_arrive(k_cons.at[slot])
-            plgpu.barrier_wait(sched)
-            return softmax(s, ki, m_i, l_i, masked)
-
-        if interpret:   # no run_state with accumulators there: both products complete at once
-            def both(s_acc, o_acc):
-                issue(s_acc, o_acc)
-                return s_acc[...], o_acc[...]
-            s, pv = pl.run_scoped(both, plgpu.ACC((bq, bkv), jnp.float32),
-                                  plgpu.ACC((bq, Dv), jnp.float32))
-            acc = acc + pv
-            outs = after_s(s)
-        else:
-            def body(refs):
-                o_acc, out_refs = refs[0], refs[1:]
-
-                def qk_pv(s_acc):
-                    issue(s_acc, o_acc)
-                    return plgpu.wgmma_accumulator_load(s_acc, wait_n=1)   # S_ki done
-                s = pl.run_scoped(qk_pv, plgpu.ACC((bq, bkv), jnp.float32))
-                for r, x in zip(out_refs, after_s(s)):
-                    r[...] = x
-            acc, *outs = pl.run_state(body)((plgpu.ACC.init(acc), p16, m_i, l_i, alpha))
-        plgpu.barrier_arrive(v_cons.at[pslot])
-        p16, m_i, l_i, alpha = outs
-        return acc, m_i, l_i, p16, alpha
-
-    def last(ki, c):                     # PV of block hi - 1
-        acc, m_i, l_i, p16, alpha = c
-        slot = lax.rem(ki - L, stages)
-        acc = acc * row(alpha, acc.shape)
-        plgpu.barrier_wait(v_bar.at[slot])
-        acc = _mm(p16, v_smems.at[slot], (bq, Dv), acc, interpret=interpret, a_in_regs=True,
-                  stage=stage)
-        plgpu.barrier_arrive(v_cons.at[slot])
-        return acc, m_i, l_i, p16, alpha
-
-    def sk(ki, c):
-        skip(ki)
-        return c
-
-    p0 = plgpu.layout_cast(jnp.zeros((bq, bkv), dtype), _WGMMA)
-    c = (acc0, m0, l0, p0, m0)
-    nonempty = lo < hi
-    lo1 = jnp.minimum(lo + 1, hi)
-    c = lax.fori_loop(L, lo, sk, c)
-    c = lax.fori_loop(lo, lo1, first, c)
-    c = lax.fori_loop(lo1, jnp.maximum(mlo, lo1), functools.partial(step, masked=True), c)
-    c = lax.fori_loop(jnp.maximum(mlo, lo1), jnp.maximum(mhi, lo1),
-                      functools.partial(step, masked=False), c)
-    c = lax.fori_loop(jnp.maximum(mhi, lo1), hi, functools.partial(step, masked=True), c)
-    c = lax.fori_loop(jnp.where(nonempty, hi - 1, hi), hi, last, c)
-    c = lax.fori_loop(hi, H, sk, c)
-    return c[:3]
-
-
 def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, S, cfg: Config,
              interpret):
     """q [B, Tp, N, Dqk], k [B, Sp, K, Dqk], v [B, Sp, K, Dv] -> o [B, Tp, N, Dv],
@@ -426,43 +301,37 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                 sync()
 
             stage = None if stage_smems is None else stage_smems.at[wg]
-            if cfg.fwd_overlap:
-                acc, m_i, l_i = _fwd_overlap_loops(
-                    L, lo, mlo, mhi, hi, H, (acc, m_i, l_i), q_smem=q_smem, k_smems=k_smems,
-                    v_smems=v_smems, k_bar=k_bar, v_bar=v_bar, k_cons=k_cons, v_cons=v_cons,
-                    sched=sched, sync=sync, skip=skip, mask=mask, stage=stage, c2=c2,
-                    stages=stages, bq=bq, bkv=bkv, Dv=Dv, dtype=dtype, interpret=interpret)
-            else:
-                def step(ki, carry, *, masked):
-                    acc, m_i, l_i = carry
-                    slot = lax.rem(ki - L, stages)
-                    plgpu.barrier_wait(k_bar.at[slot])
 
-                    def qk(acc_ref):
-                        plgpu.wgmma(acc_ref, q_smem, k_smems.at[slot].T)
-                        plgpu.barrier_arrive(sched)
-                        return acc_ref[...]
-                    s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-                    plgpu.barrier_arrive(k_cons.at[slot])
-                    plgpu.barrier_wait(sched)
-                    s = s * c2
-                    if masked:
-                        s = mask(s, ki)
-                    m_new = jnp.maximum(m_i, s.max(axis=1))
-                    alpha = jnp.exp2(m_i - m_new)
-                    p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                    l_i = l_i * alpha + p.sum(axis=1)
-                    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                    p16 = p.astype(dtype)
+            def step(ki, carry, *, masked):
+                acc, m_i, l_i = carry
+                slot = lax.rem(ki - L, stages)
+                plgpu.barrier_wait(k_bar.at[slot])
+
+                def qk(acc_ref):
+                    plgpu.wgmma(acc_ref, q_smem, k_smems.at[slot].T)
                     plgpu.barrier_arrive(sched)
-                    plgpu.barrier_wait(v_bar.at[slot])
-                    plgpu.barrier_wait(sched)
-                    acc = _mm(p16, v_smems.at[slot], (bq, Dv), acc, interpret=interpret,
-                              a_in_regs=True, stage=stage)
-                    plgpu.barrier_arrive(v_cons.at[slot])
-                    return acc, m_new, l_i
+                    return acc_ref[...]
+                s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+                plgpu.barrier_arrive(k_cons.at[slot])
+                plgpu.barrier_wait(sched)
+                s = s * c2
+                if masked:
+                    s = mask(s, ki)
+                m_new = jnp.maximum(m_i, s.max(axis=1))
+                alpha = jnp.exp2(m_i - m_new)
+                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+                l_i = l_i * alpha + p.sum(axis=1)
+                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+                p16 = p.astype(dtype)
+                plgpu.barrier_arrive(sched)
+                plgpu.barrier_wait(v_bar.at[slot])
+                plgpu.barrier_wait(sched)
+                acc = _mm(p16, v_smems.at[slot], (bq, Dv), acc, interpret=interpret,
+                          a_in_regs=True, stage=stage)
+                plgpu.barrier_arrive(v_cons.at[slot])
+                return acc, m_new, l_i
 
-                acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, (acc, m_i, l_i))
+            acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, (acc, m_i, l_i))
             pl.when(wg == 0)(sync)
             empty = l_i == 0.0
             inv = 1.0 / jnp.where(empty, 1.0, l_i)

@@ -132,16 +132,14 @@ def test_kernel_forward_and_grads(name):
         assert _rel(a, b) < 1e-2, gname
 
 
-@pytest.mark.parametrize("overlap,longest_first", [(False, False), (False, True), (True, False)])
-def test_forward_schedules(overlap, longest_first):
-    """The non-default forward schedules (Config.fwd_overlap / fwd_longest_first; the default
-    pair runs in every case above) on a case with skip steps, masked rows and GQA: causal with
-    kv_offset 40 (the first 40 rows see no key) and packed segments."""
+def test_forward_grid_order():
+    """The forward with Config.fwd_longest_first=False (query tiles in index order; the
+    default, longest first, runs in every case above) on a case with skip steps, masked rows
+    and GQA: causal with kv_offset 40 (the first 40 rows see no key) and packed segments."""
     B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
     q, k, v, _ = _inputs(7, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
     segs = (_docs(B, T, 2, 4), _docs(B, S, 2, 5))
-    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), fwd_overlap=overlap,
-                              fwd_longest_first=longest_first)
+    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), fwd_longest_first=False)
     kw = dict(causal=True, segments=segs, kv_offset=40)
     ip = None if ON_GPU else plgpu.InterpretGPUParams()
     o, lse = mg.flash_attention_mosaic(q, k, v, cfg=cfg, interpret=ip, **kw)
