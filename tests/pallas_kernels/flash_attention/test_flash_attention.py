@@ -2,6 +2,8 @@
 (forward, dq, dk, dv) vs the fp32 oracle. On CPU the kernels run in GPU interpret mode; on a
 Hopper GPU the same cases run compiled (`impl="pallas"` picks the mode from the backend)."""
 import dataclasses
+import sys
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -13,33 +15,12 @@ from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention import mosaic_gpu as mg
 from pallas_kernels.flash_attention.reference import attention_naive, attention_reference
 
+sys.path.insert(0, str(Path(__file__).parent))
+from attention_common import docs as _docs  # noqa: E402
+from attention_common import inputs as _inputs  # noqa: E402
+from attention_common import rel as _rel  # noqa: E402
+
 ON_GPU = jax.devices()[0].platform == "gpu"
-
-
-def _rel(a, b):
-    a = np.asarray(jnp.asarray(a, jnp.float32))
-    b = np.asarray(jnp.asarray(b, jnp.float32))
-    assert not np.isnan(a).any(), "NaN in output"
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
-
-
-def _inputs(seed, B, T, S, N, K, Dqk, Dv, dtype):
-    ks = jax.random.split(jax.random.key(seed), 4)
-    q = jax.random.normal(ks[0], (B, T, N, Dqk), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[1], (B, S, K, Dqk), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[2], (B, S, K, Dv), jnp.float32).astype(dtype)
-    do = jax.random.normal(ks[3], (B, T, N, Dv), jnp.float32)
-    return q, k, v, do
-
-
-def _docs(B, L, n_docs, seed):
-    """Packed-document segment ids [B, L]: sorted random boundaries, ids 1..n_docs."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for _ in range(B):
-        cuts = np.sort(rng.choice(np.arange(1, L), n_docs - 1, replace=False))
-        out.append(np.searchsorted(cuts, np.arange(L), side="right") + 1)
-    return jnp.asarray(np.stack(out), jnp.int32)
 
 
 # ------------------------------------------------------------------ reference vs naive softmax
