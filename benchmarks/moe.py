@@ -29,6 +29,7 @@ around jitted calls after a warm-up, median of 5 batches of 5 calls, synchronise
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -600,14 +601,7 @@ def run_permute_sweep(name, s, rows, log=None):
                 print(f"[{name}] profile {label} FAILED: {repr(err)[:300]}", flush=True)
 
     # routing sorts, device time (CHAIN dependent sorts per program)
-    def chained(sort):
-        def run(i):
-            dep = jnp.int32(0)
-            for j in range(CHAIN):
-                out = sort((i + j + jnp.minimum(dep, 0)) % E)
-                dep = out[-1].reshape(-1)[0]
-            return dep
-        return jax.jit(run)
+    chained = functools.partial(chained_sorts, num_experts=E)
     for label, kw in SWEEP_SORTS:
         if time.perf_counter() - T0 > SWEEP_DEADLINE:
             break
@@ -618,6 +612,18 @@ def run_permute_sweep(name, s, rows, log=None):
                 note=f"{CHAIN} chained sorts per program")
         except Exception as err:  # noqa: BLE001
             print(f"[{name}] {label} FAILED: {repr(err)[:300]}", flush=True)
+
+
+def chained_sorts(sort, num_experts):
+    """jit of CHAIN dependent routing sorts in one program (sort j on ids + j, made to depend on
+    sort j-1's output), so a sort's device time is not hidden by a jitted call's host dispatch."""
+    def run(i):
+        dep = jnp.int32(0)
+        for j in range(CHAIN):
+            out = sort((i + j + jnp.minimum(dep, 0)) % num_experts)
+            dep = out[-1].reshape(-1)[0]
+        return dep
+    return jax.jit(run)
 
 
 def run_sort_timing(name, s, rows):
@@ -634,14 +640,7 @@ def run_sort_timing(name, s, rows):
     # The sorts alone are shorter than a jitted call's host dispatch: time CHAIN dependent
     # sorts in one program (each on ids shifted by its index, made to depend on the previous
     # sort's output) and report the per-sort device time.
-    def chained(sort):
-        def run(i):
-            dep = jnp.int32(0)
-            for j in range(CHAIN):
-                out = sort((i + j + jnp.minimum(dep, 0)) % E)
-                dep = out[-1].reshape(-1)[0]
-            return dep
-        return jax.jit(run)
+    chained = functools.partial(chained_sorts, num_experts=E)
     for impl, sort in (("counting sort, compare (v3)", lambda i: dispatch.counting_sort_by_expert(i, E)),
                        ("counting sort, one-hot matmul (v2)",
                         lambda i: dispatch.counting_sort_by_expert(i, E, method="matmul")),
