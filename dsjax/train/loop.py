@@ -247,6 +247,9 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
             log.warning("checkpoint step %d holds no data-loader position: data starts from the "
                         "beginning of the corpus", start)
         log.info("resumed from step %d on mesh %s", start, dict(par.mesh.shape))
+        if start >= tc.steps:
+            log.warning("--resume: the checkpoint is at step %d and train.steps is %d: nothing "
+                        "to train (raise train.steps to continue)", start, tc.steps)
     elif resume:  # the same command can restart a preemptible job, so this is not an error
         log.warning("--resume: no checkpoint in %s yet: starting from step 0", run_dir / "checkpoints")
 

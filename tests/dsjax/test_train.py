@@ -89,6 +89,10 @@ def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog):
         np.testing.assert_array_equal(x, y)
     bias = sa[0]["rest"]["moe_layers"]["mlp"]["e_score_correction_bias"]
     assert float(jnp.abs(bias).sum()) > 0
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="dsjax"):  # resuming a finished run says so
+        assert loop.train(a, resume=True)["steps"] == 6  # the step it stands at
+    assert "nothing to train" in caplog.text
 
 
 def _batch(cfg, seed, accum, nan_at=None):
