@@ -45,6 +45,18 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "dq128": dict(block_kv_dq=128),
     "qdkv128": dict(block_q_dkv=128),
     "dq128s3": dict(block_kv_dq=128, stages_bwd=3),
+    # session 4 (Config.bwd_longest_first / dq_issue / dkv_issue / regs_fwd / regs_bwd); the
+    # first run's names: blf, r240, sdp, sdp1, dvdp changed one field from the session-3
+    # backward (bwd3), the default since.
+    "bwd3": dict(bwd_longest_first=False, dq_issue="serial", dkv_issue="serial",
+                 dkv_fold=False, regs_bwd=(232, 40)),
+    "nofold": dict(dkv_fold=False),
+    "dkv_sdp": dict(dkv_issue="sdp"),
+    "fr240": dict(regs_fwd=(240, 24)),
+    "dkv_serial": dict(dkv_issue="serial"),
+    "dkv_sdp1": dict(dkv_issue="sdp1"),
+    "dkv_dvdp": dict(dkv_issue="dvdp"),
+    "dq_serial": dict(dq_issue="serial"),
 }
 
 

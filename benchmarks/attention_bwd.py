@@ -4,7 +4,7 @@ cuDNN as a peer, plus a compiled error check (vs v1 and vs an fp32 naive-softmax
 
 Run on the GPU machine:
     python3 benchmarks/attention_bwd.py [--shapes 0,1] [--variants default,p_bf16] [--peers]
-        [--hist .hist] [--out DIR]
+        [--hist .hist] [--out DIR] [--v1-variants blf,sdp1,...] [--split]
     python3 benchmarks/attention_bwd.py --summarize LOG    # ptxas/SASS digest of a dump log
 
 With MOSAIC_GPU_DUMP_PTXAS=1 MOSAIC_GPU_DUMP_SASS=1 in the environment (`--dump` sets them while
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import importlib.util
 import json
 import os
@@ -34,6 +35,8 @@ import time
 import traceback
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from attention import VARIANTS  # noqa: E402  (Config variants shared with attention.py)
 
 SHAPES = [  # (name, B, T, N, K, Dqk, Dv, causal)
     ("MLA B4 T4096 N16 192/128 causal", 4, 4096, 16, 16, 192, 128, True),
@@ -94,6 +97,25 @@ def _time(fn, args, iters, reps, warm=False):
     return statistics.median(ts)
 
 
+def _one_kernel(mg, drop, **kw):
+    """mg._backward with one of its two kernels (`drop`) replaced by zeros while tracing, to
+    time the other kernel alone (plus the shared jnp preparation)."""
+    import jax.numpy as jnp
+
+    def fake(q, k, v, *args, **kwargs):
+        return jnp.zeros_like(q) if drop == "_dq_kernel_call" else (jnp.zeros_like(k),
+                                                                      jnp.zeros_like(v))
+
+    def bw(*x):
+        orig = getattr(mg, drop)
+        setattr(mg, drop, fake)
+        try:
+            return mg._backward(*x, **kw)
+        finally:
+            setattr(mg, drop, orig)
+    return bw
+
+
 def _load_hist(hist):
     mods = {}
     for name in ("v2a", "v2c", "mg_head"):
@@ -114,6 +136,11 @@ def main():
                     "stages3, regs232; timing ablations no_reduce, no_dq, no_exchange")
     ap.add_argument("--peers", action="store_true", help="also time cuDNN forward+backward")
     ap.add_argument("--no-v1", action="store_true")
+    ap.add_argument("--v1-variants", default="", help="v1 backward with Config fields changed: "
+                    "names from attention.py's VARIANTS (e.g. blf,r240,sdp,sdp1,dvdp)")
+    ap.add_argument("--split", default="", help="comma list (v1 = the default config, or "
+                    "--v1-variants names): time their dq and dk/dv kernels alone (the other "
+                    "kernel replaced by zeros while tracing)")
     ap.add_argument("--no-fwdbwd", action="store_true", help="backward-alone timings only")
     ap.add_argument("--hist", default=None, help="folder with v2a.py / v2c.py (history)")
     ap.add_argument("--check", action="store_true", help="compiled error check vs the oracle")
@@ -183,7 +210,20 @@ def main():
             hcfg = mod.default_config(Dqk, Dv)
             bw_impls[vname] = (lambda *x, mod=mod, hcfg=hcfg: mod._backward(
                 *x, scale=scale, causal=causal, cfg=hcfg, interpret=ip))
-        for vname in a.variants.split(","):
+        v1_names = ["v1"] if not a.no_v1 else []
+        for vn in filter(None, a.v1_variants.split(",")):
+            vcfg = dataclasses.replace(cfg, **VARIANTS[vn])
+            bw_impls["v1 " + vn] = (lambda *x, vcfg=vcfg: mg._backward(
+                *x, scale=scale, causal=causal, cfg=vcfg, interpret=ip))
+            v1_names.append(vn)
+        if a.split:
+            for vn in [x for x in v1_names if x in a.split.split(",")]:
+                vcfg = cfg if vn == "v1" else dataclasses.replace(cfg, **VARIANTS[vn])
+                for drop, keep in (("_dkv_kernel_call", "dq"), ("_dq_kernel_call", "dkv")):
+                    label = "v1" if vn == "v1" else "v1 " + vn
+                    bw_impls[f"{label} [{keep} kernel only]"] = _one_kernel(
+                        mg, drop, scale=scale, causal=causal, cfg=vcfg, interpret=ip)
+        for vname in filter(None, a.variants.split(",")):
             if not fb.fits(Dqk, Dv, variants[vname]):   # would run the v1 fallback: skip
                 log(f"RESULT {name} v3 {vname}: does not fit shared memory, skipped")
                 continue
@@ -205,7 +245,7 @@ def main():
                         os.environ.pop(e, None)
                 t = _time(f, args, a.iters, a.reps, warm=True)
                 err = ""
-                if "v1" in grads and iname != "v1":
+                if "v1" in grads and iname != "v1" and "only]" not in iname:
                     err = "vs v1: " + " ".join(f"{n_} {rel(x, y):.1e}" for n_, x, y in
                                                zip(("dq", "dk", "dv"), grads[iname], grads["v1"]))
                 rows.append(dict(shape=name, impl=iname, bwd_ms=t * 1e3,
@@ -220,8 +260,13 @@ def main():
             fb_impls["v1"] = lambda q, k, v: mg.flash_attention_mosaic(q, k, v, causal=causal,
                                                                      interpret=ip)[0]
         vname0 = a.variants.split(",")[0]
-        fb_impls["v3 " + vname0] = lambda q, k, v: fb.flash_attention_fused(
-            q, k, v, causal=causal, fcfg=variants[vname0], interpret=ip)[0]
+        if vname0:
+            fb_impls["v3 " + vname0] = lambda q, k, v: fb.flash_attention_fused(
+                q, k, v, causal=causal, fcfg=variants[vname0], interpret=ip)[0]
+        for vn in filter(None, a.v1_variants.split(",")):
+            vcfg = dataclasses.replace(cfg, **VARIANTS[vn])
+            fb_impls["v1 " + vn] = (lambda q, k, v, vcfg=vcfg: mg.flash_attention_mosaic(
+                q, k, v, causal=causal, cfg=vcfg, interpret=ip)[0])
         if a.peers:
             if Dqk == Dv:
                 fb_impls["cudnn"] = lambda q, k, v: jax.nn.dot_product_attention(

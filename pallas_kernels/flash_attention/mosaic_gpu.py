@@ -48,6 +48,39 @@ class Config:
     # launch does not end on a wave of the longest tiles (H200: MLA B4 T4096 fwd 509-514 ->
     # 558 TFLOP/s, RESULTS.md "v3 forward").
     fwd_longest_first: bool = True
+    # Backward schedule (session 4, RESULTS.md "v4 backward schedules"; the measured-best
+    # values are the defaults, default_config picks dkv_issue by head dims).
+    # bwd_longest_first: the dq kernel's causal grid runs its later query tiles (more keys)
+    # first, as the forward does (the dk/dv grid is longest first already: key tile 0 sees
+    # every query). dq_issue / dkv_issue: "serial" waits for each wgmma before issuing the
+    # next; "sdp" issues the two products that read only shared memory (S and dP) back to back
+    # and waits once; "sdp1" waits for S only and computes P while dP runs; "dvdp" (dk/dv
+    # kernel only) issues dV += P^T dO (P from registers) and then dP^T back to back.
+    bwd_longest_first: bool = True
+    dq_issue: str = "sdp1"
+    dkv_issue: str = "serial"
+    # dkv_fold (dkv_issue "serial" only): start the S^T and dP^T accumulators at -lse / c2 and
+    # -delta instead of subtracting those row vectors from the products.
+    dkv_fold: bool = True
+    # setmaxnreg (compute warpgroups, TMA warpgroup): 2 * compute + memory <= 512 (64K
+    # registers / 128 threads). FA3 uses (240, 24).
+    regs_fwd: tuple = (232, 40)
+    regs_bwd: tuple = (240, 24)
+
+    def __post_init__(self):
+        for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"Config.{name}={getattr(self, name)!r}: expected one of "
+                                 f"{allowed}")
+        for name in ("regs_fwd", "regs_bwd"):
+            rc, rm = getattr(self, name)
+            if rc % 8 or rm % 8 or not (24 <= rm <= rc <= 256) or 2 * rc + rm > 512:
+                raise ValueError(f"Config.{name}={(rc, rm)}: need multiples of 8, 24 <= memory"
+                                 " <= compute <= 256 and 2 * compute + memory <= 512")
+
+
+DQ_ISSUE = ("serial", "sdp", "sdp1")
+DKV_ISSUE = ("serial", "sdp", "sdp1", "dvdp")
 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -65,8 +98,11 @@ def smem_bytes(Dqk, Dv, cfg: Config):
 
 def default_config(Dqk, Dv) -> Config:
     """Largest tiles that fit shared memory: 128-key forward steps and 2-deep backward
-    pipelines up to Dqk + Dv = 320 (MLA 192/128); 64-key steps / 1-deep backward for 256/256."""
-    cfg = Config()
+    pipelines up to Dqk + Dv = 320 (MLA 192/128); 64-key steps / 1-deep backward for 256/256.
+    The dk/dv kernel overlaps P with the dP product (dkv_issue "sdp1") only up to
+    Dqk + Dv = 256: with MLA's 192-wide dK accumulator the extra live registers spill (H200:
+    128/128 dk/dv 1.19 -> 1.08 ms, MLA 1.55 -> 1.98 ms)."""
+    cfg = Config(dkv_issue="sdp1" if Dqk + Dv <= 256 else "serial")
     if smem_bytes(Dqk, Dv, cfg)[0] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, block_kv=64)
     if max(smem_bytes(Dqk, Dv, cfg)[1:]) > SMEM_BYTES:
@@ -195,6 +231,41 @@ def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False):
     return out if acc is None else acc + out
 
 
+def _mm_two(a1, b1, shape1, a2, b2, shape2, *, interpret, between=None):
+    """Two wgmmas from shared memory issued back to back: (a1 @ b1, a2 @ b2) in fresh fp32
+    accumulators, one wait for both (one pipeline drain instead of two). With `between`, waits
+    for the first product only, returns (between(first), second) and runs `between` while the
+    second product is on the tensor cores."""
+    if interpret:
+        x1 = _mm(a1, b1, shape1, interpret=interpret)
+        x2 = _mm(a2, b2, shape2, interpret=interpret)
+        return (x1 if between is None else between(x1)), x2
+
+    def body(r1, r2):
+        plgpu.wgmma(r1, a1, b1)
+        plgpu.wgmma(r2, a2, b2)
+        if between is None:
+            return r1[...], r2[...]
+        y = between(plgpu.wgmma_accumulator_load(r1, wait_n=1))
+        return y, plgpu.wgmma_accumulator_load(r2, wait_n=0)
+    return pl.run_scoped(body, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
+
+
+def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage):
+    """(acc1 + a1 @ b1, a2 @ b2) with a1 in registers, issued in that order, one wait: the
+    register operand is fenced before the first product starts."""
+    if interpret:
+        x1 = _mm(a1, b1, acc1.shape, acc1, interpret=interpret, stage=stage, a_in_regs=True)
+        return x1, _mm(a2, b2, shape2, interpret=interpret)
+
+    def body(refs):
+        r1, r2 = refs
+        plgpu.wgmma(r1, a1, b1)
+        plgpu.wgmma(r2, a2, b2)
+    zero = plgpu.layout_cast(jnp.zeros(shape2, jnp.float32), _WGMMA)
+    return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(zero)))
+
+
 def _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry):
     """Run skip over [L, lo), step(masked=True) over [lo, mlo), step(masked=False) over
     [mlo, mhi), step(masked=True) over [mhi, hi) and skip over [hi, H)."""
@@ -260,7 +331,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(cfg.regs_fwd[0], action="increase")
             tile = 2 * qt + wg
             q_base = tile * bq
             q_smem = q_smems.at[wg]
@@ -347,7 +418,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(cfg.regs_fwd[1], action="decrease")
             kvh = lax.div(h, jnp.int32(G))
 
             def load(ki, slot):
@@ -422,6 +493,8 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
         b = lax.axis_index("b")
         h = lax.axis_index("h")
         qt = lax.axis_index("qt")
+        if causal and cfg.bwd_longest_first:
+            qt = Tp // (2 * bq) - 1 - qt
         wg = lax.axis_index("wg")
         (q_smems, do_smems, k_smems, v_smems, stage_smems), (k_bar, v_bar, q_bar, do_bar), \
             (k_cons, v_cons) = scoped
@@ -430,7 +503,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(cfg.regs_bwd[0], action="increase")
             tile = 2 * qt + wg
             q_base = tile * bq
             q_smem, do_smem = q_smems.at[wg], do_smems.at[wg]
@@ -450,22 +523,34 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
 
             def step(ki, dq, *, masked):
                 slot = lax.rem(ki - L, stages)
+
+                def probs(s):
+                    p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    if masked:
+                        kv_pos = ki * bkv + _iota((bq, bkv), 1)
+                        ok = kv_pos < S
+                        if causal:
+                            ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
+                        if has_seg:
+                            kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)],
+                                              layout=_COL, optimized=False)
+                            ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
+                                       == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
+                        p = jnp.where(ok, p, 0.0)
+                    return p
+
                 plgpu.barrier_wait(k_bar.at[slot])
-                s = _mm(q_smem, k_smems.at[slot].T, (bq, bkv), interpret=interpret)
-                p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
-                if masked:
-                    kv_pos = ki * bkv + _iota((bq, bkv), 1)
-                    ok = kv_pos < S
-                    if causal:
-                        ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
-                    if has_seg:
-                        kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=_COL,
-                                          optimized=False)
-                        ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
-                                   == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
-                    p = jnp.where(ok, p, 0.0)
-                plgpu.barrier_wait(v_bar.at[slot])
-                dp = _mm(do_smem, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
+                if cfg.dq_issue in ("sdp", "sdp1"):
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    p, dp = _mm_two(q_smem, k_smems.at[slot].T, (bq, bkv), do_smem,
+                                    v_smems.at[slot].T, (bq, bkv), interpret=interpret,
+                                    between=probs if cfg.dq_issue == "sdp1" else None)
+                    if cfg.dq_issue == "sdp":
+                        p = probs(p)
+                else:
+                    p = probs(_mm(q_smem, k_smems.at[slot].T, (bq, bkv), interpret=interpret))
+                    plgpu.barrier_wait(v_bar.at[slot])
+                    dp = _mm(do_smem, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
                 plgpu.barrier_arrive(v_cons.at[slot])
                 ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
                 dq = _mm(ds.astype(dtype), k_smems.at[slot], (bq, Dqk), dq, interpret=interpret,
@@ -488,7 +573,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(cfg.regs_bwd[1], action="decrease")
             kvh = lax.div(h, jnp.int32(G))
 
             def load(ki, slot):
@@ -562,7 +647,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
 
         @pl.when(wg < 2)
         def _compute():
-            plgpu.set_max_registers(232, action="increase")
+            plgpu.set_max_registers(cfg.regs_bwd[0], action="increase")
             tile = 2 * kt + wg
             kv_base = tile * bkv
             ks = pl.ds(kv_base, bkv)
@@ -592,26 +677,65 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     if masked and has_seg:
                         qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
+                    def probs(sT, folded=False):
+                        if folded:
+                            pT = jnp.exp2(sT * c2)
+                        else:
+                            pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
+                        if masked:
+                            ok = None
+                            if causal:
+                                ok = ((kv_base + _iota((bkv, bq), 0))
+                                      <= (c * bq + _iota((bkv, bq), 1) + dl))
+                            if has_seg:
+                                same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
+                                        == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
+                                ok = same if ok is None else ok & same
+                            if ok is not None:
+                                pT = jnp.where(ok, pT, 0.0)
+                        return pT
+
                     plgpu.barrier_wait(q_bar.at[slot])
-                    sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret)
-                    pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
-                    if masked:
-                        ok = None
-                        if causal:
-                            ok = (kv_base + _iota((bkv, bq), 0)) <= (c * bq + _iota((bkv, bq), 1) + dl)
-                        if has_seg:
-                            same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
-                                    == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
-                            ok = same if ok is None else ok & same
-                        if ok is not None:
-                            pT = jnp.where(ok, pT, 0.0)
-                    plgpu.barrier_wait(do_bar.at[slot])
-                    dv = _mm(pT.astype(dtype), do_smems.at[slot], (bkv, Dv), dv,
-                             interpret=interpret, stage=stage, a_in_regs=True)
-                    dpT = _mm(v_smem, do_smems.at[slot].T, (bkv, bq), interpret=interpret)
+                    do_s = do_smems.at[slot]
+                    if cfg.dkv_issue in ("sdp", "sdp1"):
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        pT, dpT = _mm_two(k_smem, q_smems.at[slot].T, (bkv, bq), v_smem, do_s.T,
+                                          (bkv, bq), interpret=interpret,
+                                          between=probs if cfg.dkv_issue == "sdp1" else None)
+                        if cfg.dkv_issue == "sdp":
+                            pT = probs(pT)
+                        dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
+                                 stage=stage, a_in_regs=True)
+                    elif cfg.dkv_issue == "dvdp":
+                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret))
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        dv, dpT = _mm_acc_then_fresh(pT.astype(dtype), do_s, dv, v_smem, do_s.T,
+                                                     (bkv, bq), interpret=interpret, stage=stage)
+                    elif cfg.dkv_fold:
+                        # The row statistics start the accumulators: S^T - lse / c2 and
+                        # dP^T - delta come out of the products, so neither vector is live
+                        # beside a [bkv, bq] tile (16 registers fewer at the peak).
+                        s0 = lax.broadcast_in_dim(lse * (-1.0 / c2), (bkv, bq), [1])
+                        sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), s0, interpret=interpret)
+                        pT = probs(sT, folded=True)
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
+                                 stage=stage, a_in_regs=True)
+                        dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                        dpT = _mm(v_smem, do_s.T, (bkv, bq),
+                                  lax.broadcast_in_dim(-dlt, (bkv, bq), [1]), interpret=interpret)
+                    else:
+                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret))
+                        plgpu.barrier_wait(do_bar.at[slot])
+                        dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
+                                 stage=stage, a_in_regs=True)
+                        dpT = _mm(v_smem, do_s.T, (bkv, bq), interpret=interpret)
                     plgpu.barrier_arrive(do_cons.at[slot])
-                    dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
-                    dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
+                    if cfg.dkv_issue == "serial" and cfg.dkv_fold:
+                        dsT = pT * dpT
+                    else:
+                        dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                        dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
                     dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
                              interpret=interpret, stage=stage, a_in_regs=True)
                     plgpu.barrier_arrive(q_cons.at[slot])
@@ -636,7 +760,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
 
         @pl.when(wg == 2)
         def _memory():
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(cfg.regs_bwd[1], action="decrease")
             n = G * n_c
 
             def load(j, slot):

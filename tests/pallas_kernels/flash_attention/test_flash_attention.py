@@ -135,6 +135,39 @@ def test_forward_grid_order():
     assert np.abs(np.asarray(o.astype(jnp.float32))[rows]).max() == 0.0
 
 
+@pytest.mark.parametrize("variant", [
+    dict(dq_issue="serial", dkv_issue="sdp1", bwd_longest_first=False, regs_bwd=(232, 40)),
+    dict(dq_issue="sdp", dkv_issue="sdp"),
+    dict(dkv_issue="dvdp"),
+    dict(dkv_fold=False, dq_issue="serial", bwd_longest_first=False, regs_bwd=(232, 40)),
+])
+def test_backward_schedules(variant):
+    """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
+    bwd_longest_first, regs_bwd; the defaults run in every case above) give the oracle's dq, dk, dv on a case with
+    skip steps, masked rows, GQA and packed segments."""
+    B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
+    q, k, v, do = _inputs(11, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
+    segs = (_docs(B, T, 2, 6), _docs(B, S, 2, 7))
+    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
+    kw = dict(causal=True, segments=segs, kv_offset=40)
+    ip = None if ON_GPU else plgpu.InterpretGPUParams()
+    loss = lambda o: (o.astype(jnp.float32) * do).sum()
+    g = jax.grad(lambda *a: loss(mg.flash_attention_mosaic(*a, cfg=cfg, interpret=ip, **kw)[0]),
+                 (0, 1, 2))(q, k, v)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    ng = jax.grad(lambda *a: loss(attention_naive(*a, causal=True, segment_ids=segs,
+                                                  kv_offset=40)[0]), (0, 1, 2))(*f32)
+    for gname, a, b in zip(("dq", "dk", "dv"), g, ng):
+        assert _rel(a, b) < 1e-2, gname
+
+
+def test_config_errors():
+    with pytest.raises(ValueError, match="dq_issue"):
+        mg.Config(dq_issue="dvdp")
+    with pytest.raises(ValueError, match="regs_bwd"):
+        mg.Config(regs_bwd=(248, 24))
+
+
 def test_kernel_no_races():
     """GPU interpret mode with race detection: forward and backward, one small MLA case."""
     if ON_GPU:
