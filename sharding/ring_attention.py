@@ -151,3 +151,36 @@ def context_attention(q, k, v, *, ctx, causal=True, scale=None, segment_ids=None
     return ring_attention(q, k, v, mesh=ctx.mesh, causal=causal, scale=scale,
                           segment_ids=segment_ids, striped=ctx.striped, batch_axes=batch_axes,
                           head_axes=head_axes, impl=impl)
+
+
+def local_attention(q, k, v, *, ctx, causal=True, scale=None, segment_ids=None, impl="auto"):
+    """`flash_attention` inside `shard_map`: every device attends over its own batch rows and
+    heads (the whole sequence; no context axis). A Pallas kernel is one opaque custom call that
+    XLA's SPMD partitioner cannot split, so without this it runs on gathered, replicated inputs
+    (4 H200s, fsdp=4: every device computed the global batch's attention, RESULTS.md).
+
+    Args:
+      q: [B, T, N, Dqk]; k: [B, S, K, Dqk]; v: [B, S, K, Dv]; segment_ids: None or [B, T] int.
+      ctx: the active `sharding.rules.ShardingContext`; B goes over its `batch` axes and the
+        heads over its `act_heads` axes where the sizes divide (heads stay whole when K does not
+        split like N: the GQA grouping must stay local).
+    Returns:
+      o [B, T, N, Dv] in q.dtype, laid out like q.
+    """
+    logical = ("batch", None, "act_heads", None)
+    qs = ctx.spec(logical, q.shape, strict=False)
+    kvs = ctx.spec(logical, k.shape, strict=False)
+    if qs[0] != kvs[0] or qs[2] != kvs[2]:
+        qs = kvs = P(qs[0] if qs[0] == kvs[0] else None, None, None, None)
+    call = lambda q, k, v, seg: flash_attention(q, k, v, causal=causal, scale=scale,
+                                                segment_ids=seg, impl=impl)
+    if ctx.mesh.size == 1 or (qs[0] is None and qs[2] is None):
+        return call(q, k, v, segment_ids)
+    has_seg = segment_ids is not None
+    seg = segment_ids if has_seg else jnp.zeros(q.shape[:2], jnp.int32)
+    # check_vma=False: the Pallas kernels' loops carry unannotated counters, which the
+    # varying-manual-axes type check rejects (seen on 4 H200s); the layout tests compare the
+    # result with one device.
+    fn = jax.shard_map(lambda q, k, v, s: call(q, k, v, s if has_seg else None), mesh=ctx.mesh,
+                       in_specs=(qs, kvs, kvs, P(qs[0], None)), out_specs=qs, check_vma=False)
+    return fn(q, k, v, seg)

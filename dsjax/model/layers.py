@@ -19,7 +19,7 @@ from dsjax.config import ModelConfig
 from dsjax.model.rope import apply_rope
 from pallas_kernels.flash_attention import flash_attention
 from sharding import rules as shr
-from sharding.ring_attention import context_attention
+from sharding.ring_attention import context_attention, local_attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -143,6 +143,9 @@ class MLA(nnx.Module):
         if shr.context_parallel_active():  # sequence over `context`: ring attention
             o = context_attention(q, k, v, ctx=ctx, causal=True, scale=scale, segment_ids=segment_ids,
                                   impl=self.cfg.attention_impl)
+        elif ctx is not None and ctx.mesh.size > 1:  # per-device batch rows / heads
+            o = local_attention(q, k, v, ctx=ctx, causal=True, scale=scale, segment_ids=segment_ids,
+                                impl=self.cfg.attention_impl)
         else:
             o = flash_attention(q, k, v, causal=True, scale=scale, segment_ids=segment_ids,
                                 impl=self.cfg.attention_impl)

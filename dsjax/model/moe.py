@@ -137,10 +137,14 @@ class MoE(nnx.Module):
         bias = (self.e_score_correction_bias[...] if self.e_score_correction_bias is not None
                 else jnp.zeros((c.n_routed_experts,), jnp.float32))
         ids, weights, scores = route(logits, bias, c)
-        if shr.expert_parallel_active():  # experts over the `expert` mesh axis
+        ctx = shr.current()
+        if ctx is not None and ctx.mesh.size > 1:
+            # Under any mesh the routed experts run inside shard_map (tokens local to each device;
+            # experts over `expert`, which may be 1): the Pallas kernels are custom calls that the
+            # SPMD partitioner would otherwise run on gathered, replicated tokens.
             K = c.num_experts_per_tok
             out = moe_from_context(x, ids.reshape(B, T, K), weights.reshape(B, T, K), self.gate_proj[...],
-                                   self.up_proj[...], self.down_proj[...], ctx=shr.current(),
+                                   self.up_proj[...], self.down_proj[...], ctx=ctx,
                                    impl=c.moe_impl, dtype=dt).astype(dt)
         else:
             out = self._routed(xt, ids, weights).reshape(B, T, D)
