@@ -99,8 +99,11 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
 
 
 def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto", dtype=jnp.float32):
-    """`moe_expert_parallel` with axes from an active `sharding.rules.ShardingContext`."""
+    """`moe_expert_parallel` with axes from an active `sharding.rules.ShardingContext`; batch and
+    sequence axes that do not divide x's sizes are dropped (e.g. decoding one sequence)."""
+    spec = tuple(ctx.spec(("batch", "seq", None), x.shape, strict=False)) + (None, None)
+    axes = lambda e: () if e is None else (tuple(e) if isinstance(e, (tuple, list)) else (e,))
     return moe_expert_parallel(
-        x, ids, weights, w_gate, w_up, w_down, mesh=ctx.mesh,
-        batch_axes=ctx.rules.mesh_axes("batch", ctx.mesh), seq_axes=ctx.rules.mesh_axes("seq", ctx.mesh),
-        mlp_axes=ctx.rules.mesh_axes("mlp", ctx.mesh), impl=impl, dtype=dtype)
+        x, ids, weights, w_gate, w_up, w_down, mesh=ctx.mesh, batch_axes=axes(spec[0]),
+        seq_axes=axes(spec[1]), mlp_axes=ctx.rules.mesh_axes("mlp", ctx.mesh), impl=impl,
+        dtype=dtype)
