@@ -57,3 +57,33 @@ def test_local_attention_keeps_gqa_groups_whole():
     spec = tuple(o.sharding.spec) + (None,) * 4
     assert spec[0] == "fsdp" and spec[2] is None, o.sharding.spec
     assert _rel(o, flash_attention(q, k, v, impl="reference")) < 1e-5
+
+
+def test_model_kernels_run_inside_shard_map_under_fsdp():
+    """The model's attention and routed experts enter shard_map under a plain fsdp mesh (the
+    eval step's jaxpr holds one shard_map per attention call and per MoE call of the scanned
+    stacks), so a Pallas backend would see only local rows."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from sharding_common import synthetic_batches, tiny_cfg
+
+    from dsjax.train import loop
+    from dsjax.train.step import init_model, make_eval_step
+
+    cfg = tiny_cfg("mesh.fsdp=8")
+    par = loop.setup_parallel(cfg)
+    fns, params, rest = init_model(cfg)
+    batch = loop.global_batch(par, synthetic_batches(cfg, 1)[0])
+    step = make_eval_step(cfg, fns)
+
+    def traced(p, r, b):
+        with shr.use_sharding(par.ctx):
+            return step(p, r, b)
+    jaxpr = str(jax.make_jaxpr(traced)(params, rest, batch))
+    # dense stack (attention) + MoE stack (attention, routed experts): 3 shard_maps in the scans
+    assert jaxpr.count("shard_map") >= 3, jaxpr.count("shard_map")
+    with shr.use_sharding(None):
+        single = str(jax.make_jaxpr(step)(params, rest, batch))
+    assert "shard_map" not in single
