@@ -87,3 +87,39 @@ def test_model_kernels_run_inside_shard_map_under_fsdp():
     with shr.use_sharding(None):
         single = str(jax.make_jaxpr(step)(params, rest, batch))
     assert "shard_map" not in single
+
+
+def test_pallas_kernels_trace_inside_shard_map():
+    """With impl="pallas" (GPU interpret mode on CPU, the compiled kernels on a GPU) attention,
+    ring attention and the routed experts trace inside their shard_maps, forward and backward:
+    the varying-manual-axes check rejected the kernels' loop counters until check_vma=False
+    (seen on 4 H200s for local attention, on fake devices for the ring)."""
+    from sharding.expert_parallel import moe_from_context
+    from sharding.ring_attention import ring_attention
+
+    class _Ctx:
+        data, fsdp, expert, tensor, context = 1, 2, 2, 1, 2
+
+    mesh = make_mesh(_Ctx(), jax.devices()[:8])
+    ctx = shr.ShardingContext(mesh, shr.get_rules("fsdp_ep_cp"))
+    bf = jnp.bfloat16
+    q = jnp.ones((4, 256, 2, 192), bf)
+    v = jnp.ones((4, 256, 2, 128), bf)
+    do = jnp.ones((4, 256, 2, 128), bf)
+
+    def grads(f, *args):
+        return jax.vjp(f, *args)[1]
+
+    att = lambda q, k, v: local_attention(q, k, v, ctx=ctx, impl="pallas")
+    jax.jit(lambda q, k, v: grads(att, q, k, v)(do)).trace(q, q, v)
+    ring = lambda q, k, v: ring_attention(q, k, v, mesh=mesh, batch_axes=("fsdp", "expert"),
+                                          impl="pallas")
+    jax.jit(lambda q, k, v: grads(ring, q, k, v)(do)).trace(q, q, v)
+    x = jnp.ones((4, 64, 128), bf)
+    ids = jnp.zeros((4, 64, 2), jnp.int32)
+    w = jnp.ones((4, 64, 2), jnp.float32)
+    wg = jnp.ones((8, 128, 128), bf)
+    moe = lambda x, wg, wu, wd: moe_from_context(x, ids, w, wg, wu, wd, ctx=ctx, impl="pallas",
+                                                 dtype=bf)
+    y = jnp.ones((4, 64, 128), jnp.float32)
+    jax.jit(lambda *a: grads(moe, *a)(y)).trace(x, wg, wg, wg)
