@@ -60,6 +60,17 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
 }
 
 
+def inputs(seed, B, T, N, K, Dqk, Dv):
+    """Random normal bf16 q [B, T, N, Dqk], k [B, T, K, Dqk], v [B, T, K, Dv], dO [B, T, N, Dv]
+    (shared with attention_bwd.py)."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, T, N, Dqk), jnp.bfloat16)
+    k = jax.random.normal(ks[1], (B, T, K, Dqk), jnp.bfloat16)
+    v = jax.random.normal(ks[2], (B, T, K, Dv), jnp.bfloat16)
+    do = jax.random.normal(ks[3], (B, T, N, Dv), jnp.bfloat16)
+    return q, k, v, do
+
+
 def ours(q, k, v, causal):
     return flash_attention(q, k, v, causal=causal, impl="pallas")
 
@@ -155,11 +166,7 @@ def main():
         name, B, T, N, Dqk, Dv, causal = SHAPES[si]
         if a.tiny:
             name, B, T, N = name + " [tiny]", 1, 256, 2
-        ks = jax.random.split(jax.random.key(si), 4)
-        q = jax.random.normal(ks[0], (B, T, N, Dqk), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (B, T, N, Dqk), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (B, T, N, Dv), jnp.bfloat16)
-        do = jax.random.normal(ks[3], (B, T, N, Dv), jnp.bfloat16)
+        q, k, v, do = inputs(si, B, T, N, N, Dqk, Dv)
         flops = 2.0 * B * N * T * T * (Dqk + Dv) * (0.5 if causal else 1.0)
         ref_o = ref_g = ref_lse = None
         if a.check:

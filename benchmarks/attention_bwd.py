@@ -36,7 +36,7 @@ import traceback
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from attention import VARIANTS  # noqa: E402  (Config variants shared with attention.py)
+from attention import VARIANTS, inputs  # noqa: E402  (shared with attention.py)
 
 SHAPES = [  # (name, B, T, N, K, Dqk, Dv, causal)
     ("MLA B4 T4096 N16 192/128 causal", 4, 4096, 16, 16, 192, 128, True),
@@ -189,11 +189,7 @@ def main():
         name, B, T, N, K, Dqk, Dv, causal = SHAPES[si]
         if a.tiny:
             name, B, T, N, K = name + " [tiny]", 1, 256, 2, 1
-        ks = jax.random.split(jax.random.key(si), 4)
-        q = jax.random.normal(ks[0], (B, T, N, Dqk), jnp.bfloat16)
-        k = jax.random.normal(ks[1], (B, T, K, Dqk), jnp.bfloat16)
-        v = jax.random.normal(ks[2], (B, T, K, Dv), jnp.bfloat16)
-        do = jax.random.normal(ks[3], (B, T, N, Dv), jnp.bfloat16)
+        q, k, v, do = inputs(si, B, T, N, K, Dqk, Dv)
         flops = 2.0 * B * N * T * T * (Dqk + Dv) * (0.5 if causal else 1.0)
         cfg = mg.default_config(Dqk, Dv)
         scale = Dqk ** -0.5
