@@ -3,7 +3,9 @@
 Run on the GPU machine: `python benchmarks/attention.py [--quick]`. Prints one table.
 FLOPs: forward 2*B*N*T*S*(Dqk+Dv), halved for causal; forward+backward = 3.5x forward
 (backward counted as 2.5x forward). Inputs bf16, random normal (never zeros).
-Each cell: median over `reps` timings of `iters` back-to-back calls, after a warm-up call.
+Each cell: median over `reps` timings of `iters` back-to-back calls, after a warm-up call;
+with `--rounds R` the impls of a shape are compiled first and then timed interleaved (R rounds,
+each impl once per round), the median over rounds reported with the forward's spread.
 
 `--impls` takes `ours`, `ours:VARIANT` (a `VARIANTS` entry: Config fields changed from
 `default_config`; one name may be listed twice to time it twice), `cudnn`, `tokamax`, `xla`.
@@ -57,6 +59,11 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "dkv_sdp1": dict(dkv_issue="sdp1"),
     "dkv_dvdp": dict(dkv_issue="dvdp"),
     "dq_serial": dict(dq_issue="serial"),
+    # session 5: Config.fwd_pipe (on by default since) and no_auto_barriers (off: neutral)
+    "nopipe": dict(fwd_pipe=False),
+    "nab": dict(no_auto_barriers=True),
+    "s4": dict(fwd_pipe=False),   # session 4's defaults
+    "pipe64": dict(block_kv=64),
 }
 
 
@@ -156,9 +163,13 @@ def main():
     ap.add_argument("--json", default="")
     ap.add_argument("--shape-impls", action="append", default=[],
                     help="SI=LIST: impls for shape SI instead of --impls (repeatable)")
+    ap.add_argument("--iters", type=int, default=5, help="back-to-back calls per timing")
+    ap.add_argument("--reps", type=int, default=5, help="timings (the median is reported)")
+    ap.add_argument("--rounds", type=int, default=0, help="interleave the impls of a shape: "
+                    "R rounds of one timing each (an impl listed twice is compiled twice)")
     a = ap.parse_args()
     per_shape = dict(x.split("=", 1) for x in a.shape_impls)
-    iters, reps = (3, 3) if a.quick else (5, 5)
+    iters, reps = (3, 3) if a.quick else (a.iters, a.reps)
     t_start = time.perf_counter()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     rows = []
@@ -177,6 +188,7 @@ def main():
             with jax.default_matmul_precision("highest"):
                 ref_o, ref_lse, ref_g = jax.jit(ref_fn)(
                     *(x.astype(jnp.float32) for x in (q, k, v, do)))
+        compiled = []
         for iname in per_shape.get(str(si), a.impls).split(","):
             if a.budget and time.perf_counter() - t_start > a.budget:
                 print(f"budget: skip {name} / {iname}", flush=True)
@@ -209,6 +221,9 @@ def main():
                     same = bool(jnp.all(jnp.isfinite(lse) == fin))
                     err += " lse %.1e%s" % (lse_err, "" if same else " (-inf rows differ!)")
                     assert not bool(jnp.isnan(o2.astype(jnp.float32)).any()), "NaN in o"
+                if a.rounds:   # timed below, interleaved with the shape's other impls
+                    compiled.append((iname, fwd, fwdbwd, err))
+                    continue
                 tf = _time(fwd, (q, k, v), iters, reps)
                 tfb = _time(fwdbwd, (q, k, v), iters, reps)
                 rows.append((name, iname, flops / tf / 1e12, 3.5 * flops / tfb / 1e12,
@@ -218,6 +233,24 @@ def main():
                 rows.append((name, iname, float("nan"), float("nan"), float("nan"), float("nan"),
                              f"FAILED {type(e).__name__}: {str(e)[:80]}"))
             print(rows[-1], "t=%.0fs" % (time.perf_counter() - t_start), flush=True)
+            if a.json:
+                with open(a.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+        if compiled:
+            # --rounds R: R rounds, each timing every impl once (fwd, then fwd+bwd, `iters`
+            # calls each) in list order; the median over rounds is reported, so a drift of
+            # the GPU clock during the shape's timings reaches every impl alike.
+            ts = [([], []) for _ in compiled]
+            for _ in range(a.rounds):
+                for i, (_, fwd, fwdbwd, _) in enumerate(compiled):
+                    ts[i][0].append(_time(fwd, (q, k, v), iters, 1))
+                    ts[i][1].append(_time(fwdbwd, (q, k, v), iters, 1))
+            for (iname, _, _, err), (tfs, tfbs) in zip(compiled, ts):
+                tf, tfb = statistics.median(tfs), statistics.median(tfbs)
+                spread = max(tfs) / min(tfs) - 1
+                rows.append((name, iname, flops / tf / 1e12, 3.5 * flops / tfb / 1e12,
+                             tf * 1e3, tfb * 1e3, err + f" (fwd spread {spread:.1%})"))
+                print(rows[-1], flush=True)
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(rows, f, indent=1)

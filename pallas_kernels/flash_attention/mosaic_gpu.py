@@ -7,7 +7,8 @@ G = N // K, Dqk q/k head dim, Dv value head dim, bq/bkv tile rows.
 Maths: FlashAttention-2 online softmax and its backward (Dao 2023, arXiv 2307.08691, Alg. 1-2),
 with the FlashAttention-3 layout (Shah et al. 2024, arXiv 2407.08608, sec. 3.1): one TMA
 producer warpgroup, two consumer warpgroups that each own a 64-row tile, a "ping-pong" schedule
-barrier in the forward pass. Softmax runs in base 2: s2 = s * scale * log2(e), lse2 = m2 + log2(l).
+barrier in the forward pass, whose key loop is software-pipelined (sec. 3.2: the P V product of
+block j - 1 is issued together with Q K^T of block j). Softmax runs in base 2: s2 = s * scale * log2(e), lse2 = m2 + log2(l).
 
 Masking: the wrapper computes, for every 64-row tile, the range of column blocks that can hold
 an unmasked entry [lo, hi) and the sub-range that needs no element mask [mlo, mhi) (causal,
@@ -66,6 +67,18 @@ class Config:
     # registers / 128 threads). FA3 uses (240, 24).
     regs_fwd: tuple = (232, 40)
     regs_bwd: tuple = (240, 24)
+    # Session 5 (RESULTS.md "v5 forward"). fwd_pipe: software-pipelined forward (FA3 sec. 3.2,
+    # with P V issued first so no register operand is fenced while a product is in flight):
+    # step j issues O += P_{j-1} V_{j-1} and then S_j = Q K_j^T, waits once for both and runs
+    # softmax(S_j) while the other warpgroup's products run (the ping-pong is a strict turn
+    # per step). H200, interleaved timing: MLA B4 T4096 529 -> 543 TFLOP/s, T16384 587 -> 626,
+    # 128/128 flat (475 -> 473).
+    fwd_pipe: bool = True
+    # no_auto_barriers: CompilerParams(unsafe_no_auto_barriers=True) for all three kernels
+    # (tokamax sets it); safe here: no thread reads and then writes one shared-memory region
+    # without a commit_smem (which has a warpgroup barrier) between. Measured neutral on the
+    # H200 (forward and backward within run-to-run noise), so off.
+    no_auto_barriers: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
@@ -289,13 +302,125 @@ def _tiled(shape, dtype):
                                                 plgpu.SwizzleTransform(128)))
 
 
-def _compiler_params():
-    return plgpu.CompilerParams(approx_math=True)
+def _compiler_params(cfg: Config | None = None):
+    nab = cfg is not None and cfg.no_auto_barriers
+    return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=nab)
 
 
 # ----------------------------------------------------------------------------------------------
 # Forward.
 # ----------------------------------------------------------------------------------------------
+
+def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, cons,
+                     turn, mask, c2, stages, shapes, dtype, stage, interpret):
+    """Forward key loop of one compute warpgroup, software-pipelined (Config.fwd_pipe).
+
+    Key blocks [L, H) are the CTA's; this warpgroup computes [lo, hi) (element masks outside
+    [mlo, mhi)) and only keeps the barriers in step elsewhere. Block lo computes S alone
+    (prologue); each later block j issues O += P_{j-1} V_{j-1} (P from registers, fenced before
+    anything is in flight) and S_j = Q K_j^T back to back and waits once; the last P V runs
+    after the loop. Turns: warpgroup w waits on turn[w] before issuing a block's products and
+    arrives on turn[1 - w] after, so the two warpgroups' products alternate while the other
+    runs its softmax (warpgroup 0 takes the first turn unasked and consumes the last arrival
+    at the end). Returns (acc [bq, Dv] fp32 unnormalised, m2 [bq], l [bq]).
+    """
+    k_bar, v_bar = bars
+    k_cons, v_cons = cons
+    (bq, bkv), acc_shape = shapes
+    acc, m_i, l_i = carry
+
+    def turn_wait(j):
+        @pl.when((wg == 1) | (j != L))
+        def _():
+            plgpu.barrier_wait(turn.at[wg])
+
+    def turn_arrive():
+        plgpu.barrier_arrive(turn.at[1 - wg])
+
+    def slot(j):
+        return lax.rem(j - L, stages)
+
+    def softmax(s, j, acc, m_i, l_i, masked):
+        s = s * c2
+        if masked:
+            s = mask(s, j)
+        m_new = jnp.maximum(m_i, s.max(axis=1))
+        alpha = jnp.exp2(m_i - m_new)
+        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
+        l_i = l_i * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        return acc, m_new, l_i, p.astype(dtype)
+
+    def skip(j, c):
+        plgpu.barrier_wait(k_bar.at[slot(j)])
+        plgpu.barrier_arrive(k_cons.at[slot(j)])
+        plgpu.barrier_wait(v_bar.at[slot(j)])
+        plgpu.barrier_arrive(v_cons.at[slot(j)])
+        turn_wait(j)
+        turn_arrive()
+        return c
+
+    def first(j, c):          # block lo: S alone, always element-masked (one block per tile)
+        acc, m_i, l_i, _ = c
+        plgpu.barrier_wait(k_bar.at[slot(j)])
+        turn_wait(j)
+
+        def qk(s_ref):
+            plgpu.wgmma(s_ref, q_smem, k_smems.at[slot(j)].T)
+            turn_arrive()
+            return s_ref[...]
+        s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
+        plgpu.barrier_arrive(k_cons.at[slot(j)])
+        return softmax(s, j, acc, m_i, l_i, True)
+
+    def step(j, c, *, masked):
+        acc, m_i, l_i, p16 = c
+        sp, sj = slot(j - 1), slot(j)
+        plgpu.barrier_wait(v_bar.at[sp])
+        plgpu.barrier_wait(k_bar.at[sj])
+        turn_wait(j)
+        if interpret:
+            acc = _mm(p16, v_smems.at[sp], acc_shape, acc, interpret=interpret, stage=stage,
+                      a_in_regs=True)
+            s = _mm(q_smem, k_smems.at[sj].T, (bq, bkv), interpret=interpret)
+            turn_arrive()
+        else:
+            def body(refs):
+                acc_ref, s_ref = refs
+                plgpu.wgmma(acc_ref, p16, v_smems.at[sp])
+                plgpu.wgmma(s_ref, q_smem, k_smems.at[sj].T)
+                turn_arrive()
+            zero = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), _WGMMA)
+            acc, s = pl.run_state(body)((plgpu.ACC.init(acc), plgpu.ACC.init(zero)))
+        plgpu.barrier_arrive(v_cons.at[sp])
+        plgpu.barrier_arrive(k_cons.at[sj])
+        return softmax(s, j, acc, m_i, l_i, masked)
+
+    def last(j, c):           # the P V product of block hi - 1
+        acc, m_i, l_i, p16 = c
+        plgpu.barrier_wait(v_bar.at[slot(j)])
+        acc = _mm(p16, v_smems.at[slot(j)], acc_shape, acc, interpret=interpret, stage=stage,
+                  a_in_regs=True)
+        plgpu.barrier_arrive(v_cons.at[slot(j)])
+        return acc, m_i, l_i, p16
+
+    p0 = plgpu.layout_cast(jnp.zeros((bq, bkv), dtype), _WGMMA)
+    c = (acc, m_i, l_i, p0)
+    c = lax.fori_loop(L, lo, skip, c)
+    s = jnp.minimum(lo + 1, hi)          # [lo, s): 0 or 1 block
+    c = lax.fori_loop(lo, s, first, c)
+    c = lax.fori_loop(s, jnp.maximum(mlo, s), functools.partial(step, masked=True), c)
+    c = lax.fori_loop(jnp.maximum(mlo, s), jnp.maximum(mhi, s),
+                      functools.partial(step, masked=False), c)
+    c = lax.fori_loop(jnp.maximum(mhi, s), hi, functools.partial(step, masked=True), c)
+    c = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, last, c)
+    c = lax.fori_loop(hi, H, skip, c)
+
+    @pl.when((wg == 0) & (H > L))
+    def _():
+        plgpu.barrier_wait(turn.at[0])
+    return c[:3]
+
 
 def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, S, cfg: Config,
              interpret):
@@ -347,7 +472,8 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
             m_i = plgpu.layout_cast(jnp.full((bq,), _M_INIT, jnp.float32), _ROW)
             l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), _ROW)
             plgpu.barrier_wait(q_bar.at[wg])
-            pl.when(wg == 1)(sync)
+            if not cfg.fwd_pipe:
+                pl.when(wg == 1)(sync)
 
             def mask(s, ki):
                 """s with -inf where key block ki's columns are masked for this tile's rows."""
@@ -402,8 +528,17 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                 plgpu.barrier_arrive(v_cons.at[slot])
                 return acc, m_new, l_i
 
-            acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, (acc, m_i, l_i))
-            pl.when(wg == 0)(sync)
+            if cfg.fwd_pipe:
+                acc, m_i, l_i = _pipelined_loops(
+                    L=L, lo=lo, mlo=mlo, mhi=mhi, hi=hi, H=H, wg=wg, carry=(acc, m_i, l_i),
+                    q_smem=q_smem, k_smems=k_smems, v_smems=v_smems, bars=(k_bar, v_bar),
+                    cons=(k_cons, v_cons), turn=sched, mask=mask, c2=c2, stages=stages,
+                    shapes=((bq, bkv), (bq, Dv)), dtype=dtype, stage=stage,
+                    interpret=interpret)
+            else:
+                acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip,
+                                              (acc, m_i, l_i))
+                pl.when(wg == 0)(sync)
             empty = l_i == 0.0
             inv = 1.0 / jnp.where(empty, 1.0, l_i)
             acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
@@ -459,7 +594,10 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                 plgpu.Barrier(num_barriers=2))
         cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-        sched = plgpu.Barrier(num_arrivals=2)
+        # ping-pong: one 2-arrival barrier (two syncs per step), or with fwd_pipe one
+        # 1-arrival barrier per warpgroup ("your turn", one per step)
+        sched = (plgpu.Barrier(num_arrivals=1, num_barriers=2) if cfg.fwd_pipe
+                 else plgpu.Barrier(num_arrivals=2))
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons, sched,
                       collective_axes="wg")
 
@@ -468,7 +606,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
     seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
     return plgpu.kernel(
         entry, out_type=out_type, grid=(N, n_qt, B), grid_names=("h", "qt", "b"),
-        num_threads=3, thread_name="wg", compiler_params=_compiler_params(),
+        num_threads=3, thread_name="wg", compiler_params=_compiler_params(cfg),
         interpret=interpret,
     )(q, k, v, wgb, ctab, delta_arr, *seg_args)
 
@@ -616,7 +754,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
     return plgpu.kernel(
         entry, out_type=jax.ShapeDtypeStruct(q.shape, dtype), grid=(N, Tp // (2 * bq), B),
         grid_names=("h", "qt", "b"), num_threads=3, thread_name="wg",
-        compiler_params=_compiler_params(), interpret=interpret,
+        compiler_params=_compiler_params(cfg), interpret=interpret,
     )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
 
 
@@ -809,7 +947,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
     return plgpu.kernel(
         entry, out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
         grid=(K, Sp // (2 * bkv), B), grid_names=("h", "kt", "b"), num_threads=3,
-        thread_name="wg", compiler_params=_compiler_params(), interpret=interpret,
+        thread_name="wg", compiler_params=_compiler_params(cfg), interpret=interpret,
     )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
 
 

@@ -1,6 +1,7 @@
 """Flash attention: the jnp reference vs a naive full softmax, and the Mosaic GPU kernels
 (forward, dq, dk, dv) vs the fp32 oracle. On CPU the kernels run in GPU interpret mode; on a
-Hopper GPU the same cases run compiled (`impl="pallas"` picks the mode from the backend)."""
+Hopper GPU the same cases run compiled (`impl="pallas"` picks the mode from the backend) when
+the run sets JAX_PLATFORMS=cuda (tests/conftest.py defaults it to cpu)."""
 import dataclasses
 import sys
 from pathlib import Path
@@ -113,14 +114,22 @@ def test_kernel_forward_and_grads(name):
         assert _rel(a, b) < 1e-2, gname
 
 
-def test_forward_grid_order():
-    """The forward with Config.fwd_longest_first=False (query tiles in index order; the
-    default, longest first, runs in every case above) on a case with skip steps, masked rows
-    and GQA: causal with kv_offset 40 (the first 40 rows see no key) and packed segments."""
+@pytest.mark.parametrize("variant", [
+    dict(fwd_longest_first=False),
+    dict(fwd_pipe=False),
+    dict(fwd_longest_first=False, block_kv=64),
+    dict(no_auto_barriers=True, fwd_pipe=False),   # no_auto_barriers: compiled only
+])
+def test_forward_schedules(variant):
+    """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
+    order; fwd_pipe=False: the key loop of sessions 1-4 that waits for each product; smaller
+    key steps; the defaults run in every case above) on
+    a case with skip steps, masked rows and GQA: causal with kv_offset 40 (the first 40 rows see
+    no key) and packed segments."""
     B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
     q, k, v, _ = _inputs(7, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
     segs = (_docs(B, T, 2, 4), _docs(B, S, 2, 5))
-    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), fwd_longest_first=False)
+    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
     kw = dict(causal=True, segments=segs, kv_offset=40)
     ip = None if ON_GPU else plgpu.InterpretGPUParams()
     o, lse = mg.flash_attention_mosaic(q, k, v, cfg=cfg, interpret=ip, **kw)
