@@ -311,6 +311,18 @@ def _compiler_params(cfg: Config | None = None):
 # Forward.
 # ----------------------------------------------------------------------------------------------
 
+def _online_softmax(s2, acc, m_i, l_i, dtype):
+    """One key block of the base-2 online softmax (FA2 Alg. 1): s2 [bq, bkv] fp32 scaled and
+    masked scores, acc [bq, Dv], m_i / l_i [bq] running max and sum. Returns the rescaled acc,
+    the new max and sum, and P [bq, bkv] in `dtype` for the P V product."""
+    m_new = jnp.maximum(m_i, s2.max(axis=1))
+    alpha = jnp.exp2(m_i - m_new)
+    p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, s2.shape, [0]))
+    l_i = l_i * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return acc, m_new, l_i, p.astype(dtype)
+
+
 def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, cons,
                      turn, mask, c2, stages, shapes, dtype, stage, interpret):
     """Forward key loop of one compute warpgroup, software-pipelined (Config.fwd_pipe).
@@ -344,12 +356,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         s = s * c2
         if masked:
             s = mask(s, j)
-        m_new = jnp.maximum(m_i, s.max(axis=1))
-        alpha = jnp.exp2(m_i - m_new)
-        p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-        l_i = l_i * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-        return acc, m_new, l_i, p.astype(dtype)
+        return _online_softmax(s, acc, m_i, l_i, dtype)
 
     def skip(j, c):
         plgpu.barrier_wait(k_bar.at[slot(j)])
@@ -514,12 +521,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                 s = s * c2
                 if masked:
                     s = mask(s, ki)
-                m_new = jnp.maximum(m_i, s.max(axis=1))
-                alpha = jnp.exp2(m_i - m_new)
-                p = jnp.exp2(s - lax.broadcast_in_dim(m_new, s.shape, [0]))
-                l_i = l_i * alpha + p.sum(axis=1)
-                acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-                p16 = p.astype(dtype)
+                acc, m_new, l_i, p16 = _online_softmax(s, acc, m_i, l_i, dtype)
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)
