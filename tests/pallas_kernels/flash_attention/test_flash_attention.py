@@ -123,9 +123,8 @@ def test_kernel_forward_and_grads(name):
 def test_forward_schedules(variant):
     """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
     order; fwd_pipe=False: the key loop of sessions 1-4 that waits for each product; smaller
-    key steps; the defaults run in every case above) on
-    a case with skip steps, masked rows and GQA: causal with kv_offset 40 (the first 40 rows see
-    no key) and packed segments."""
+    key steps; the defaults run in every case above) on a case with skip steps, masked rows
+    and GQA: causal with kv_offset 40 (the first 40 rows see no key) and packed segments."""
     B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
     q, k, v, _ = _inputs(7, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
     segs = (_docs(B, T, 2, 4), _docs(B, S, 2, 5))
