@@ -264,17 +264,23 @@ def _mm_two(a1, b1, shape1, a2, b2, shape2, *, interpret, between=None):
     return pl.run_scoped(body, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
 
 
-def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage):
+def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage, after_issue=None):
     """(acc1 + a1 @ b1, a2 @ b2) with a1 in registers, issued in that order, one wait: the
-    register operand is fenced before the first product starts."""
+    register operand is fenced before the first product starts. `after_issue()` runs once both
+    products are issued, before the wait."""
     if interpret:
         x1 = _mm(a1, b1, acc1.shape, acc1, interpret=interpret, stage=stage, a_in_regs=True)
-        return x1, _mm(a2, b2, shape2, interpret=interpret)
+        x2 = _mm(a2, b2, shape2, interpret=interpret)
+        if after_issue is not None:
+            after_issue()
+        return x1, x2
 
     def body(refs):
         r1, r2 = refs
         plgpu.wgmma(r1, a1, b1)
         plgpu.wgmma(r2, a2, b2)
+        if after_issue is not None:
+            after_issue()
     zero = plgpu.layout_cast(jnp.zeros(shape2, jnp.float32), _WGMMA)
     return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(zero)))
 
@@ -386,19 +392,9 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         plgpu.barrier_wait(v_bar.at[sp])
         plgpu.barrier_wait(k_bar.at[sj])
         turn_wait(j)
-        if interpret:
-            acc = _mm(p16, v_smems.at[sp], acc_shape, acc, interpret=interpret, stage=stage,
-                      a_in_regs=True)
-            s = _mm(q_smem, k_smems.at[sj].T, (bq, bkv), interpret=interpret)
-            turn_arrive()
-        else:
-            def body(refs):
-                acc_ref, s_ref = refs
-                plgpu.wgmma(acc_ref, p16, v_smems.at[sp])
-                plgpu.wgmma(s_ref, q_smem, k_smems.at[sj].T)
-                turn_arrive()
-            zero = plgpu.layout_cast(jnp.zeros((bq, bkv), jnp.float32), _WGMMA)
-            acc, s = pl.run_state(body)((plgpu.ACC.init(acc), plgpu.ACC.init(zero)))
+        acc, s = _mm_acc_then_fresh(p16, v_smems.at[sp], acc, q_smem, k_smems.at[sj].T,
+                                    (bq, bkv), interpret=interpret, stage=stage,
+                                    after_issue=turn_arrive)
         plgpu.barrier_arrive(v_cons.at[sp])
         plgpu.barrier_arrive(k_cons.at[sj])
         return softmax(s, j, acc, m_i, l_i, masked)
