@@ -114,6 +114,20 @@ def test_kernel_forward_and_grads(name):
         assert _rel(a, b) < 1e-2, gname
 
 
+def _schedule_case(seed, seg_seeds, variant):
+    """The schedule tests' case: MLA 192/128, T=192 queries, S=256 keys, GQA 2:1, causal with
+    kv_offset 40 (the first 40 rows see no key) and packed segments; the default Config with
+    `variant` applied; interpret mode off the GPU.
+    Returns (q, k, v, dO, segments, cfg, kwargs for flash_attention_mosaic, interpret)."""
+    B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
+    q, k, v, do = _inputs(seed, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
+    segs = (_docs(B, T, 2, seg_seeds[0]), _docs(B, S, 2, seg_seeds[1]))
+    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
+    kw = dict(causal=True, segments=segs, kv_offset=40)
+    ip = None if ON_GPU else plgpu.InterpretGPUParams()
+    return q, k, v, do, segs, cfg, kw, ip
+
+
 @pytest.mark.parametrize("variant", [
     dict(fwd_longest_first=False),
     dict(fwd_pipe=False),
@@ -125,12 +139,7 @@ def test_forward_schedules(variant):
     order; fwd_pipe=False: the key loop of sessions 1-4 that waits for each product; smaller
     key steps; the defaults run in every case above) on a case with skip steps, masked rows
     and GQA: causal with kv_offset 40 (the first 40 rows see no key) and packed segments."""
-    B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
-    q, k, v, _ = _inputs(7, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
-    segs = (_docs(B, T, 2, 4), _docs(B, S, 2, 5))
-    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
-    kw = dict(causal=True, segments=segs, kv_offset=40)
-    ip = None if ON_GPU else plgpu.InterpretGPUParams()
+    q, k, v, _, segs, cfg, kw, ip = _schedule_case(7, (4, 5), variant)
     o, lse = mg.flash_attention_mosaic(q, k, v, cfg=cfg, interpret=ip, **kw)
     no, nlse = attention_naive(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True,
                                segment_ids=segs, kv_offset=40)
@@ -153,12 +162,7 @@ def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
     bwd_longest_first, regs_bwd; the defaults run in every case above) give the oracle's dq, dk, dv on a case with
     skip steps, masked rows, GQA and packed segments."""
-    B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
-    q, k, v, do = _inputs(11, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
-    segs = (_docs(B, T, 2, 6), _docs(B, S, 2, 7))
-    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
-    kw = dict(causal=True, segments=segs, kv_offset=40)
-    ip = None if ON_GPU else plgpu.InterpretGPUParams()
+    q, k, v, do, segs, cfg, kw, ip = _schedule_case(11, (6, 7), variant)
     loss = lambda o: (o.astype(jnp.float32) * do).sum()
     g = jax.grad(lambda *a: loss(mg.flash_attention_mosaic(*a, cfg=cfg, interpret=ip, **kw)[0]),
                  (0, 1, 2))(q, k, v)
