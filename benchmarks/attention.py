@@ -13,12 +13,22 @@ each impl once per round), the median over rounds reported with the forward's sp
 "highest" matmul precision): relative L2 error of o and of dq, dk, dv (cotangent: one random
 dO), and for ours the max abs error of the natural lse. `--budget S` skips the cells left once
 S seconds have passed; `--json F` writes the rows.
+`--trace DIR`: after each (shape, impl) is timed (also under `--rounds`), `--trace-calls N`
+(default 5) back-to-back calls of its jitted fwd+bwd program and, separately, of its forward are
+traced with jax.profiler into DIR/<shape index>_<impl>_fwdbwd and DIR/<shape index>_<impl>_fwd
+(characters other than letters, digits, "_.-" in the impl become "_", e.g. ours_split); printed
+per program: a markdown table of its GPU kernels (launches per call, us per call, share of the
+summed kernel time) and the device busy us per call vs the wall us per call (first kernel's
+start to last kernel's end, divided by N), whose difference is the gaps between kernels. A
+failing trace prints its traceback; the benchmark goes on.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import json
+import os
+import re
 import statistics
 import sys
 import time
@@ -32,6 +42,8 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.flash_attention import mosaic_gpu  # noqa: E402
 from pallas_kernels.flash_attention.reference import attention_reference  # noqa: E402
+
+from _trace import kernel_summary, summary_markdown  # noqa: E402 (benchmarks/_trace.py)
 
 SHAPES = [  # (name, B, T, N, Dqk, Dv, causal)
     ("MLA B4 T4096 N16 192/128 causal", 4, 4096, 16, 192, 128, True),
@@ -64,6 +76,10 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "nab": dict(no_auto_barriers=True),
     "s4": dict(fwd_pipe=False),   # session 4's defaults
     "pipe64": dict(block_kv=64),
+    # session 6: Config.dkv_split (dk/dv work split by role between the warpgroups)
+    "split": dict(dkv_split=True),
+    "nosplit": dict(dkv_split=False),
+    "split_s3": dict(dkv_split=True, stages_bwd=3),
 }
 
 
@@ -124,21 +140,50 @@ def xla(q, k, v, causal):
 IMPLS = [("ours", ours), ("cudnn", cudnn), ("tokamax", tokamax_mosaic), ("xla", xla)]
 
 
-def _time(fn, args, iters, reps):
-    out = fn(*args)
-    jax.block_until_ready(out)
+def _calls(fn, args, iters):
+    """`iters` back-to-back calls of `fn`, waited for at the end."""
     # GPU interpret mode (CPU) has global simulator state: never run two calls at once there.
     sync_each = jax.devices()[0].platform != "gpu"
+    for _ in range(iters):
+        out = fn(*args)
+        if sync_each:
+            jax.block_until_ready(out)
+    jax.block_until_ready(out)
+
+
+def _time(fn, args, iters, reps):
+    """Seconds per call: the median over `reps` timings of `iters` back-to-back calls, after a
+    warm-up call."""
+    jax.block_until_ready(fn(*args))
     ts = []
     for _ in range(reps):
         t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-            if sync_each:
-                jax.block_until_ready(out)
-        jax.block_until_ready(out)
+        _calls(fn, args, iters)
         ts.append((time.perf_counter() - t0) / iters)
     return statistics.median(ts)
+
+
+def _trace_programs(trace_dir, calls, si, iname, fwd, fwdbwd, args):
+    """--trace: for each of the jitted programs fwdbwd and fwd, a jax.profiler trace of `calls`
+    back-to-back calls (after one untraced call) into trace_dir/<si>_<iname sanitized>_<tag>,
+    then its per-kernel table (benchmarks/_trace.py `summary_markdown`: us per call, device busy
+    vs wall us per call). A failure prints its traceback and the next program is traced."""
+    for tag, fn in (("fwdbwd", fwdbwd), ("fwd", fwd)):
+        d = os.path.join(trace_dir, f"{si}_{re.sub(r'[^A-Za-z0-9_.-]+', '_', iname)}_{tag}")
+        try:
+            jax.block_until_ready(fn(*args))
+            jax.profiler.start_trace(d)
+            try:
+                _calls(fn, args, calls)
+            finally:
+                jax.profiler.stop_trace()
+            summ = kernel_summary(d)
+            print(f"\ntrace {d}: {calls} calls, {summ['events']} kernel launches", flush=True)
+            if summ["events"]:
+                print(summary_markdown(summ, calls), flush=True)
+        except Exception:  # noqa: BLE001 - report and keep benchmarking
+            print(f"trace {d} FAILED:", flush=True)
+            traceback.print_exc()
 
 
 def _impl(iname):
@@ -167,6 +212,9 @@ def main():
     ap.add_argument("--reps", type=int, default=5, help="timings (the median is reported)")
     ap.add_argument("--rounds", type=int, default=0, help="interleave the impls of a shape: "
                     "R rounds of one timing each (an impl listed twice is compiled twice)")
+    ap.add_argument("--trace", default="", metavar="DIR", help="after timing, trace each "
+                    "(shape, impl)'s fwd and fwd+bwd programs into DIR and print their kernels")
+    ap.add_argument("--trace-calls", type=int, default=5, help="calls per --trace trace")
     a = ap.parse_args()
     per_shape = dict(x.split("=", 1) for x in a.shape_impls)
     iters, reps = (3, 3) if a.quick else (a.iters, a.reps)
@@ -228,6 +276,8 @@ def main():
                 tfb = _time(fwdbwd, (q, k, v), iters, reps)
                 rows.append((name, iname, flops / tf / 1e12, 3.5 * flops / tfb / 1e12,
                              tf * 1e3, tfb * 1e3, err))
+                if a.trace:
+                    _trace_programs(a.trace, a.trace_calls, si, iname, fwd, fwdbwd, (q, k, v))
             except Exception as e:  # noqa: BLE001 - report and keep benchmarking the rest
                 traceback.print_exc()
                 rows.append((name, iname, float("nan"), float("nan"), float("nan"), float("nan"),
@@ -251,6 +301,9 @@ def main():
                 rows.append((name, iname, flops / tf / 1e12, 3.5 * flops / tfb / 1e12,
                              tf * 1e3, tfb * 1e3, err + f" (fwd spread {spread:.1%})"))
                 print(rows[-1], flush=True)
+            if a.trace:
+                for iname, fwd, fwdbwd, _ in compiled:
+                    _trace_programs(a.trace, a.trace_calls, si, iname, fwd, fwdbwd, (q, k, v))
             if a.json:
                 with open(a.json, "w") as f:
                     json.dump(rows, f, indent=1)

@@ -43,6 +43,8 @@ import numpy as np
 from pallas_kernels.moe import api, dispatch, mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul_reference, grouped_matmul_transposed_reference
 
+from _trace import device_events  # benchmarks/_trace.py (this script's folder is on sys.path)
+
 SHAPES = {"v2lite": dict(T=16384, K=6, E=64, D=2048, I=1408),
           "v3": dict(T=8192, K=8, E=256, D=7168, I=2048),
           "tiny": dict(T=128, K=2, E=4, D=128, I=128)}  # CPU smoke test (interpret mode)
@@ -466,23 +468,9 @@ PROFILE_DIR = None  # --profile-dir: jax.profiler traces of the permute programs
 
 def kernel_sequence(trace_dir, last=24):
     """The last `last` GPU kernels of a jax.profiler trace: (name, start us, duration us, gap us
-    since the previous kernel ended), from the stream lines of the GPU plane."""
-    import glob
-
-    from jax.profiler import ProfileData
-    paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-    if not paths:
-        return []
-    evs = []
-    for plane in ProfileData.from_file(paths[-1]).planes:
-        if not plane.name.startswith("/device:GPU"):
-            continue
-        for ln in plane.lines:
-            if "Stream" in ln.name:
-                evs += [(ev.start_ns, ev.duration_ns, ev.name) for ev in ln.events]
-    evs.sort()
+    since the previous kernel ended), from the stream lines of the GPU plane (`_trace`)."""
     out, prev_end = [], None
-    for start, dur, nm in evs[-last:]:
+    for start, dur, nm in device_events(trace_dir)[-last:]:
         out.append((nm[:60], start / 1e3, dur / 1e3, (start - prev_end) / 1e3 if prev_end else 0.0))
         prev_end = start + dur
     return out
