@@ -76,10 +76,6 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "nab": dict(no_auto_barriers=True),
     "s4": dict(fwd_pipe=False),   # session 4's defaults
     "pipe64": dict(block_kv=64),
-    # session 6: Config.dkv_split (dk/dv work split by role between the warpgroups)
-    "split": dict(dkv_split=True),
-    "nosplit": dict(dkv_split=False),
-    "split_s3": dict(dkv_split=True, stages_bwd=3),
 }
 
 

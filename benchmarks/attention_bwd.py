@@ -98,25 +98,21 @@ def _time(fn, args, iters, reps, warm=False):
 
 
 def _one_kernel(mg, drop, **kw):
-    """mg._backward with one of its two kernels (`drop`: "_dq_kernel_call" or
-    "_dkv_kernel_call", which also stands for the dkv_split kernel) replaced by zeros while
-    tracing, to time the other kernel alone (plus the shared jnp preparation)."""
+    """mg._backward with one of its two kernels (`drop`) replaced by zeros while tracing, to
+    time the other kernel alone (plus the shared jnp preparation)."""
     import jax.numpy as jnp
 
     def fake(q, k, v, *args, **kwargs):
         return jnp.zeros_like(q) if drop == "_dq_kernel_call" else (jnp.zeros_like(k),
                                                                       jnp.zeros_like(v))
-    names = [drop] + (["_dkv_split_kernel_call"] if drop == "_dkv_kernel_call" else [])
 
     def bw(*x):
-        origs = [getattr(mg, n) for n in names]
-        for n in names:
-            setattr(mg, n, fake)
+        orig = getattr(mg, drop)
+        setattr(mg, drop, fake)
         try:
             return mg._backward(*x, **kw)
         finally:
-            for n, orig in zip(names, origs):
-                setattr(mg, n, orig)
+            setattr(mg, drop, orig)
     return bw
 
 

@@ -79,13 +79,6 @@ class Config:
     # without a commit_smem (which has a warpgroup barrier) between. Measured neutral on the
     # H200 (forward and backward within run-to-run noise), so off.
     no_auto_barriers: bool = False
-    # Session 6 (RESULTS.md "v6 backward"). dkv_split: the dk/dv kernel splits each 64-key
-    # tile's work by role between the two compute warpgroups (one computes P^T and dV, hands
-    # P^T over through shared memory; the other computes dP^T, dS^T and dK): one accumulator per
-    # warpgroup instead of two (MLA: dK 96 + dV 64 fp32 registers per thread spilled in every
-    # schedule of sessions 4-5), at the price of streaming Q and dO once per 64 keys instead
-    # of per 128.
-    dkv_split: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
@@ -112,11 +105,7 @@ def smem_bytes(Dqk, Dv, cfg: Config):
     qo = Dqk if Dv <= Dqk else Dqk + Dv      # O reuses Q's buffer when it fits
     fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
     dq = (2 * cfg.block_q + cfg.stages_bwd * cfg.block_kv_dq) * (Dqk + Dv) * 2
-    if cfg.dkv_split:   # one key tile, the Q/dO ring, two fp32 P^T tiles
-        dkv = ((cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
-               + 2 * cfg.block_kv_dkv * cfg.block_q_dkv * 4)
-    else:
-        dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
+    dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
     return fwd, dq, dkv
 
 
@@ -298,18 +287,15 @@ def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage, after_
 
 def _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry):
     """Run skip over [L, lo), step(masked=True) over [lo, mlo), step(masked=False) over
-    [mlo, mhi), step(masked=True) over [mhi, hi) and skip over [hi, H) (no skip loops when
-    skip is None)."""
+    [mlo, mhi), step(masked=True) over [mhi, hi) and skip over [hi, H)."""
     def sk(i, c):
         skip(i)
         return c
-    if skip is not None:
-        carry = lax.fori_loop(L, lo, sk, carry)
+    carry = lax.fori_loop(L, lo, sk, carry)
     carry = lax.fori_loop(lo, mlo, functools.partial(step, masked=True), carry)
     carry = lax.fori_loop(mlo, mhi, functools.partial(step, masked=False), carry)
     carry = lax.fori_loop(mhi, hi, functools.partial(step, masked=True), carry)
-    if skip is not None:
-        carry = lax.fori_loop(hi, H, sk, carry)
+    carry = lax.fori_loop(hi, H, sk, carry)
     return carry
 
 
@@ -770,41 +756,6 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
     )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
 
 
-def _stream_q_do(q_ref, do_ref, q_smems, do_smems, q_bar, do_bar, q_cons, do_cons, *, b, kvh,
-                 G, L, n_c, bq, stages):
-    """Producer of the dk/dv kernels: TMA-loads the (Q, dO) tiles of query blocks [L, L + n_c)
-    for each of the G query heads of kv head kvh (G * n_c steps, head-major) into a `stages`-deep
-    ring; slot j % stages is reloaded once both compute warpgroups arrived on its q_cons/do_cons."""
-    n = G * n_c
-    n_c1 = jnp.maximum(n_c, 1)
-
-    def load(j, slot):
-        h = kvh * G + lax.div(j, n_c1)
-        qs = pl.ds((L + lax.rem(j, n_c1)) * bq, bq)
-        plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
-        return h, qs
-
-    for i in range(stages):
-        @pl.when(i < n)
-        def _():
-            h, qs = load(jnp.int32(i), i)
-            plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[i], do_bar.at[i])
-
-    @pl.loop(stages, n)
-    def _(j):
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(q_cons.at[slot])
-        h, qs = load(j, slot)
-        plgpu.barrier_wait(do_cons.at[slot])
-        plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
-
-    @pl.loop(jnp.maximum(n - stages, 0), n)
-    def _(j):   # observe the last consumptions too (GPU interpret mode checks phases)
-        slot = lax.rem(j, stages)
-        plgpu.barrier_wait(q_cons.at[slot])
-        plgpu.barrier_wait(do_cons.at[slot])
-
-
 def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
                      causal, cfg: Config, interpret):
     """dk [B, Sp, K, Dqk] = scale * sum_{g, t} dS^T k-row, dv [B, Sp, K, Dv] = sum P^T dO, summed
@@ -828,6 +779,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         L = ctab_ref[b, kt, 0]
         H = ctab_ref[b, kt, 1]
         n_c = H - L
+        n_c1 = jnp.maximum(n_c, 1)
 
         @pl.when(wg < 2)
         def _compute():
@@ -945,8 +897,38 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(cfg.regs_bwd[1], action="decrease")
-            _stream_q_do(q_ref, do_ref, q_smems, do_smems, q_bar, do_bar, q_cons, do_cons,
-                         b=b, kvh=kvh, G=G, L=L, n_c=n_c, bq=bq, stages=stages)
+            n = G * n_c
+
+            def load(j, slot):
+                g = lax.div(j, n_c1)
+                c = L + lax.rem(j, n_c1)
+                h = kvh * G + g
+                qs = pl.ds(c * bq, bq)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
+
+            for i in range(stages):
+                @pl.when(i < n)
+                def _():
+                    load(jnp.int32(i), i)
+
+            @pl.loop(stages, n)
+            def _(j):
+                slot = lax.rem(j, stages)
+                g = lax.div(j, n_c1)
+                c = L + lax.rem(j, n_c1)
+                h = kvh * G + g
+                qs = pl.ds(c * bq, bq)
+                plgpu.barrier_wait(q_cons.at[slot])
+                plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
+                plgpu.barrier_wait(do_cons.at[slot])
+                plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
+
+            @pl.loop(jnp.maximum(n - stages, 0), n)
+            def _(j):
+                slot = lax.rem(j, stages)
+                plgpu.barrier_wait(q_cons.at[slot])
+                plgpu.barrier_wait(do_cons.at[slot])
 
     def entry(*refs):
         stage = plgpu.SMEM((2, bkv, bq), dtype) if interpret else None
@@ -965,164 +947,6 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         grid=(K, Sp // (2 * bkv), B), grid_names=("h", "kt", "b"), num_threads=3,
         thread_name="wg", compiler_params=_compiler_params(cfg), interpret=interpret,
     )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
-
-
-def _dkv_split_kernel_call(q, k, v, do, lse2, dlt, wgb, delta_arr, q_seg, kv_seg, *, scale,
-                           causal, cfg: Config, interpret):
-    """dk [B, Sp, K, Dqk], dv [B, Sp, K, Dv] as `_dkv_kernel_call`, with the work of one 64-key
-    tile split by role between the two compute warpgroups (Config.dkv_split).
-
-    Warpgroup 0 computes S^T = K Q^T, P^T = exp2(S^T c - lse) (masked) and dV += P^T dO, and
-    hands P^T (fp32 [bkv, bq]) to warpgroup 1 through a double-buffered shared-memory tile;
-    warpgroup 1 computes dP^T = V dO^T - delta, dS^T = P^T dP^T and dK += dS^T Q. Both run
-    Dqk + Dv wgmma columns per step (balanced), and each holds one accumulator (dV: Dv / 2,
-    dK: Dqk / 2 fp32 registers per thread) beside one or two [bkv, bq] tiles, instead of both
-    accumulators beside two tiles (FA2 Alg. 2 lines 11-16, split by output). A CTA owns one
-    key tile, so Q and dO stream once per bkv keys (twice the traffic of the two-tile CTA).
-    """
-    B, Tp, N, Dqk = q.shape
-    Sp, K, Dv = k.shape[1], k.shape[2], v.shape[3]
-    G = N // K
-    bkv, bq, stages = cfg.block_kv_dkv, cfg.block_q_dkv, cfg.stages_bwd
-    dtype = q.dtype
-    has_seg = q_seg is not None
-    c2 = scale * LOG2E
-
-    def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, dl_ref, qseg_ref, kseg_ref,
-               dk_ref, dv_ref, scoped):
-        b = lax.axis_index("b")
-        kvh = lax.axis_index("h")
-        kt = lax.axis_index("kt")
-        wg = lax.axis_index("wg")
-        (k_smem, v_smem, q_smems, do_smems, p_smems, stage_smems), \
-            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons, p_full, p_free) = scoped
-        lo, mlo, mhi, hi = (wgb_ref[b, kt, i] for i in range(4))
-        n_c = hi - lo
-        kv_base = kt * bkv
-        ks = pl.ds(kv_base, bkv)
-
-        @pl.when(wg == 0)
-        def _p_dv():
-            plgpu.set_max_registers(cfg.regs_bwd[0], action="increase")
-            stage = None if stage_smems is None else stage_smems.at[0]
-            plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smem, k_bar.at[0])
-            dl = dl_ref[0]
-            if has_seg:
-                kseg = plgpu.load(kseg_ref.at[b, ks], layout=_ROW, optimized=False)
-            dv = plgpu.layout_cast(jnp.zeros((bkv, Dv), jnp.float32), _WGMMA)
-            plgpu.barrier_wait(k_bar.at[0])
-
-            def head(g, dv):
-                h = kvh * G + g
-
-                def step(c, dv, *, masked):
-                    j = g * n_c + c - lo
-                    slot, ps = lax.rem(j, stages), lax.rem(j, 2)
-                    qs = pl.ds(c * bq, bq)
-                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
-                    if masked and has_seg:
-                        qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
-                    s0 = lax.broadcast_in_dim(lse * (-1.0 / c2), (bkv, bq), [1])
-                    plgpu.barrier_wait(q_bar.at[slot])
-                    sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), s0, interpret=interpret)
-                    plgpu.barrier_arrive(q_cons.at[slot])
-                    pT = jnp.exp2(sT * c2)
-                    if masked:
-                        ok = None
-                        if causal:
-                            ok = ((kv_base + _iota((bkv, bq), 0))
-                                  <= (c * bq + _iota((bkv, bq), 1) + dl))
-                        if has_seg:
-                            same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
-                                    == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
-                            ok = same if ok is None else ok & same
-                        if ok is not None:
-                            pT = jnp.where(ok, pT, 0.0)
-                    plgpu.barrier_wait(p_free.at[ps])
-                    p_smems.at[ps][...] = pT
-                    plgpu.barrier_arrive(p_full.at[ps])
-                    plgpu.barrier_wait(do_bar.at[slot])
-                    dv = _mm(pT.astype(dtype), do_smems.at[slot], (bkv, Dv), dv,
-                             interpret=interpret, stage=stage, a_in_regs=True)
-                    plgpu.barrier_arrive(do_cons.at[slot])
-                    return dv
-
-                return _ranged_loops(lo, lo, mlo, mhi, hi, hi, step, None, dv)
-
-            dv = lax.fori_loop(0, G, head, dv)
-            for ps in range(2):   # warpgroup 1's last P^T reads (and so its last V reads) done
-                plgpu.barrier_wait(p_free.at[ps])
-            v_smem[...] = dv.astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(v_smem, dv_ref.at[b, ks, kvh])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        @pl.when(wg == 1)
-        def _dk():
-            plgpu.set_max_registers(cfg.regs_bwd[0], action="increase")
-            stage = None if stage_smems is None else stage_smems.at[1]
-            plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smem, v_bar.at[0])
-            for ps in range(2):   # both P^T buffers start free
-                plgpu.barrier_arrive(p_free.at[ps])
-            dk = plgpu.layout_cast(jnp.zeros((bkv, Dqk), jnp.float32), _WGMMA)
-            plgpu.barrier_wait(v_bar.at[0])
-
-            def step(j, dk):
-                g = lax.div(j, jnp.maximum(n_c, 1))
-                c = lo + lax.rem(j, jnp.maximum(n_c, 1))
-                h = kvh * G + g
-                slot, ps = lax.rem(j, stages), lax.rem(j, 2)
-                dlt = plgpu.load(dlt_ref.at[b, h, pl.ds(c * bq, bq)], layout=_COL,
-                                 optimized=False)
-                plgpu.barrier_wait(do_bar.at[slot])
-                dpT = _mm(v_smem, do_smems.at[slot].T, (bkv, bq),
-                          lax.broadcast_in_dim(-dlt, (bkv, bq), [1]), interpret=interpret)
-                plgpu.barrier_arrive(do_cons.at[slot])
-                plgpu.barrier_wait(p_full.at[ps])
-                dsT = plgpu.load(p_smems.at[ps], layout=_WGMMA) * dpT
-                plgpu.barrier_arrive(p_free.at[ps])
-                plgpu.barrier_wait(q_bar.at[slot])
-                dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
-                         interpret=interpret, stage=stage, a_in_regs=True)
-                plgpu.barrier_arrive(q_cons.at[slot])
-                return dk
-
-            dk = lax.fori_loop(0, G * n_c, step, dk)
-            # Every P^T was waited for above, so warpgroup 0's S^T products (its K reads) are
-            # done: K's buffer takes dK.
-            k_smem[...] = (dk * scale).astype(dtype)
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(k_smem, dk_ref.at[b, ks, kvh])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(cfg.regs_bwd[1], action="decrease")
-            _stream_q_do(q_ref, do_ref, q_smems, do_smems, q_bar, do_bar, q_cons, do_cons,
-                         b=b, kvh=kvh, G=G, L=lo, n_c=n_c, bq=bq, stages=stages)
-
-    def entry(*refs):
-        stage = plgpu.SMEM((2, bkv, bq), dtype) if interpret else None
-        p_buf = (plgpu.SMEM((2, bkv, bq), jnp.float32) if interpret
-                 else plgpu.SMEM((2, bkv, bq), jnp.float32,
-                                 transforms=(plgpu.TilingTransform((8, 32)),
-                                             plgpu.SwizzleTransform(128))))
-        smems = (_tiled((bkv, Dqk), dtype), _tiled((bkv, Dv), dtype),
-                 _tiled((stages, bq, Dqk), dtype), _tiled((stages, bq, Dv), dtype), p_buf, stage)
-        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=1), plgpu.Barrier(num_barriers=1))
-        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
-                      collective_axes="wg")
-
-    seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
-    return plgpu.kernel(
-        entry, out_type=(jax.ShapeDtypeStruct(k.shape, dtype), jax.ShapeDtypeStruct(v.shape, dtype)),
-        grid=(K, Sp // bkv, B), grid_names=("h", "kt", "b"), num_threads=3,
-        thread_name="wg", compiler_params=_compiler_params(cfg), interpret=interpret,
-    )(q, k, v, do, lse2, dlt, wgb, delta_arr, *seg_args)
 
 
 def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, interpret):
@@ -1148,14 +972,8 @@ def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, 
     wgb2, ctab2 = _tile_ranges(B=B, n_rows_p=Sp, row_block=cfg.block_kv_dkv, n_cols_p=Tp,
                                col_block=cfg.block_q_dkv, rows_are_q=False, T=T, S=S,
                                causal=causal, delta=delta[0], q_seg=q_seg, kv_seg=kv_seg)
-    if cfg.dkv_split:
-        dk, dv = _dkv_split_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb2, delta, q_seg, kv_seg,
-                                        scale=scale, causal=causal, cfg=cfg,
-                                        interpret=interpret)
-    else:
-        dk, dv = _dkv_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb2, ctab2, delta, q_seg,
-                                  kv_seg, scale=scale, causal=causal, cfg=cfg,
-                                  interpret=interpret)
+    dk, dv = _dkv_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb2, ctab2, delta, q_seg, kv_seg,
+                              scale=scale, causal=causal, cfg=cfg, interpret=interpret)
     return dq[:, :T], dk[:, :S], dv[:, :S]
 
 
