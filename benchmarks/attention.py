@@ -76,9 +76,6 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "nab": dict(no_auto_barriers=True),
     "s4": dict(fwd_pipe=False),   # session 4's defaults
     "pipe64": dict(block_kv=64),
-    # session 6: Config.dkv_pipe (dk/dv kernel: dK of block c issued with S^T of block c + 1)
-    "dkvpipe": dict(dkv_pipe=True, dkv_issue="serial"),
-    "dkvpipe_s3": dict(dkv_pipe=True, dkv_issue="serial", stages_bwd=3),
 }
 
 

@@ -79,15 +79,8 @@ class Config:
     # without a commit_smem (which has a warpgroup barrier) between. Measured neutral on the
     # H200 (forward and backward within run-to-run noise), so off.
     no_auto_barriers: bool = False
-    # Session 6 (RESULTS.md "v6"). dkv_pipe (dk/dv kernel, dkv_issue "serial" with dkv_fold):
-    # within a head's query blocks, dK += dS^T Q of block c and S^T = K Q^T of block c + 1 are
-    # issued back to back with one wait (3 drains per step instead of 4); the live registers at
-    # that point (dK in flight, dV, bf16 dS^T, the new S^T) stay below the step's peak.
-    dkv_pipe: bool = False
 
     def __post_init__(self):
-        if self.dkv_pipe and (self.dkv_issue != "serial" or not self.dkv_fold):
-            raise ValueError("Config.dkv_pipe=True needs dkv_issue='serial' and dkv_fold=True")
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r}: expected one of "
@@ -281,15 +274,13 @@ def _mm_two(a1, b1, shape1, a2, b2, shape2, *, interpret, between=None):
     return pl.run_scoped(body, plgpu.ACC(shape1, jnp.float32), plgpu.ACC(shape2, jnp.float32))
 
 
-def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage, after_issue=None,
-                       init2=None):
-    """(acc1 + a1 @ b1, init2 + a2 @ b2) with a1 in registers, issued in that order, one wait:
-    the register operand is fenced before the first product starts. `after_issue()` runs once
-    both products are issued, before the wait. init2 (fp32 [shape2], WGMMA layout) defaults to
-    zeros."""
+def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage, after_issue=None):
+    """(acc1 + a1 @ b1, a2 @ b2) with a1 in registers, issued in that order, one wait: the
+    register operand is fenced before the first product starts. `after_issue()` runs once both
+    products are issued, before the wait."""
     if interpret:
         x1 = _mm(a1, b1, acc1.shape, acc1, interpret=interpret, stage=stage, a_in_regs=True)
-        x2 = _mm(a2, b2, shape2, init2, interpret=interpret)
+        x2 = _mm(a2, b2, shape2, interpret=interpret)
         if after_issue is not None:
             after_issue()
         return x1, x2
@@ -300,9 +291,8 @@ def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage, after_
         plgpu.wgmma(r2, a2, b2)
         if after_issue is not None:
             after_issue()
-    if init2 is None:
-        init2 = plgpu.layout_cast(jnp.zeros(shape2, jnp.float32), _WGMMA)
-    return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(init2)))
+    zero = plgpu.layout_cast(jnp.zeros(shape2, jnp.float32), _WGMMA)
+    return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(zero)))
 
 
 def _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry):
@@ -815,88 +805,6 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
       *((dlse,) if has_dlse else ()))
 
 
-def _dkv_pipelined_head(*, g, h, carry, L, H, n_c, ranges, refs, b, bars, cons, smem, mask_pT,
-                        shapes, c2, stages, dtype, has_seg, stage, interpret):
-    """One query head of a dk/dv compute warpgroup with Config.dkv_pipe: query blocks [L, H)
-    are the CTA's, this warpgroup computes [lo, hi) (element masks outside [mlo, mhi)) and only
-    keeps the barriers in step elsewhere. Block lo computes S^T alone (prologue); every block
-    but the last issues its dK product together with the next block's S^T and waits once.
-    carry = (dk [bkv, Dqk], dv [bkv, Dv]) fp32; returns the updated carry."""
-    lo, mlo, mhi, hi = ranges
-    lse_ref, dlt_ref, qseg_ref = refs
-    q_bar, do_bar = bars
-    q_cons, do_cons = cons
-    k_smem, v_smem, q_smems, do_smems = smem
-    bkv, bq, Dqk, Dv = shapes
-
-    def slot(c):
-        return lax.rem(g * n_c + c - L, stages)
-
-    def s_init(c):   # the S^T accumulator starts at -lse / c2 (dkv_fold)
-        lse = plgpu.load(lse_ref.at[b, h, pl.ds(c * bq, bq)], layout=_COL, optimized=False)
-        return lax.broadcast_in_dim(lse * (-1.0 / c2), (bkv, bq), [1])
-
-    def skip(c, carry):
-        plgpu.barrier_wait(q_bar.at[slot(c)])
-        plgpu.barrier_wait(do_bar.at[slot(c)])
-        plgpu.barrier_arrive(do_cons.at[slot(c)])
-        plgpu.barrier_arrive(q_cons.at[slot(c)])
-        return carry
-
-    def first(c, carry):
-        dk, dv, _ = carry
-        s0 = s_init(c)
-        plgpu.barrier_wait(q_bar.at[slot(c)])
-        return dk, dv, _mm(k_smem, q_smems.at[slot(c)].T, (bkv, bq), s0, interpret=interpret)
-
-    def step(c, carry, *, masked, pair):
-        dk, dv, sT = carry
-        qs = pl.ds(c * bq, bq)
-        pT = jnp.exp2(sT * c2)
-        if masked:
-            qseg = (plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
-                    if has_seg else None)
-            pT = mask_pT(pT, c, qseg)
-        do_s = do_smems.at[slot(c)]
-        plgpu.barrier_wait(do_bar.at[slot(c)])
-        dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret, stage=stage,
-                 a_in_regs=True)
-        dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
-        dpT = _mm(v_smem, do_s.T, (bkv, bq), lax.broadcast_in_dim(-dlt, (bkv, bq), [1]),
-                  interpret=interpret)
-        plgpu.barrier_arrive(do_cons.at[slot(c)])
-        dsT = (pT * dpT).astype(dtype)
-        if pair:
-            s0 = s_init(c + 1)
-            plgpu.barrier_wait(q_bar.at[slot(c + 1)])
-            dk, sT = _mm_acc_then_fresh(dsT, q_smems.at[slot(c)], dk, k_smem,
-                                        q_smems.at[slot(c + 1)].T, (bkv, bq),
-                                        interpret=interpret, stage=stage, init2=s0)
-        else:
-            dk = _mm(dsT, q_smems.at[slot(c)], (bkv, Dqk), dk, interpret=interpret,
-                     stage=stage, a_in_regs=True)
-        plgpu.barrier_arrive(q_cons.at[slot(c)])
-        return dk, dv, sT
-
-    s_zero = plgpu.layout_cast(jnp.zeros((bkv, bq), jnp.float32), _WGMMA)
-    c = (*carry, s_zero)
-    c = lax.fori_loop(L, lo, skip, c)
-    c = lax.fori_loop(lo, jnp.minimum(lo + 1, hi), first, c)
-    e = jnp.maximum(hi - 1, lo)          # blocks [lo, e) pair their dK with the next S^T
-    m1, m2 = jnp.minimum(mlo, e), jnp.minimum(mhi, e)
-    pstep = functools.partial(step, pair=True)
-    c = lax.fori_loop(lo, m1, functools.partial(pstep, masked=True), c)
-    c = lax.fori_loop(m1, m2, functools.partial(pstep, masked=False), c)
-    c = lax.fori_loop(m2, e, functools.partial(pstep, masked=True), c)
-    # block hi - 1 (if any) alone: unmasked iff mlo <= hi - 1 < mhi
-    last_unmasked = (hi - 1 >= mlo) & (hi - 1 < mhi)
-    lstep = functools.partial(step, pair=False)
-    c = lax.fori_loop(jnp.where(last_unmasked, e, hi), hi, functools.partial(lstep, masked=False), c)
-    c = lax.fori_loop(jnp.where(last_unmasked, hi, e), hi, functools.partial(lstep, masked=True), c)
-    c = lax.fori_loop(hi, H, skip, c)
-    return c[:2]
-
-
 def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale,
                      causal, cfg: Config, interpret):
     """dk [B, Sp, K, Dqk] = scale * sum_{g, t} dS^T k-row, dv [B, Sp, K, Dv] = sum P^T dO, summed
@@ -941,27 +849,8 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
             plgpu.barrier_wait(k_bar.at[wg])
             plgpu.barrier_wait(v_bar.at[wg])
 
-            def mask_pT(pT, c, qseg):
-                """Zero P^T outside the causal / segment mask (masked steps)."""
-                ok = None
-                if causal:
-                    ok = ((kv_base + _iota((bkv, bq), 0))
-                          <= (c * bq + _iota((bkv, bq), 1) + dl))
-                if has_seg:
-                    same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
-                            == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
-                    ok = same if ok is None else ok & same
-                return pT if ok is None else jnp.where(ok, pT, 0.0)
-
             def head(g, carry):
                 h = kvh * G + g
-                if cfg.dkv_pipe:
-                    return _dkv_pipelined_head(
-                        g=g, h=h, carry=carry, L=L, H=H, n_c=n_c, ranges=(lo, mlo, mhi, hi),
-                        refs=(lse_ref, dlt_ref, qseg_ref), b=b, bars=(q_bar, do_bar),
-                        cons=(q_cons, do_cons), smem=(k_smem, v_smem, q_smems, do_smems),
-                        mask_pT=mask_pT, shapes=(bkv, bq, Dqk, Dv), c2=c2, stages=stages,
-                        dtype=dtype, has_seg=has_seg, stage=stage, interpret=interpret)
 
                 def step(c, carry, *, masked):
                     dk, dv = carry
@@ -979,7 +868,16 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         else:
                             pT = jnp.exp2(sT * c2 - lax.broadcast_in_dim(lse, sT.shape, [1]))
                         if masked:
-                            pT = mask_pT(pT, c, qseg if has_seg else None)
+                            ok = None
+                            if causal:
+                                ok = ((kv_base + _iota((bkv, bq), 0))
+                                      <= (c * bq + _iota((bkv, bq), 1) + dl))
+                            if has_seg:
+                                same = (lax.broadcast_in_dim(kseg, (bkv, bq), [0])
+                                        == lax.broadcast_in_dim(qseg, (bkv, bq), [1]))
+                                ok = same if ok is None else ok & same
+                            if ok is not None:
+                                pT = jnp.where(ok, pT, 0.0)
                         return pT
 
                     plgpu.barrier_wait(q_bar.at[slot])

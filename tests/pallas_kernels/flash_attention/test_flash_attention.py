@@ -157,11 +157,10 @@ def test_forward_schedules(variant):
     dict(dq_issue="sdp", dkv_issue="sdp"),
     dict(dkv_issue="dvdp"),
     dict(dkv_fold=False, dq_issue="serial", bwd_longest_first=False, regs_bwd=(232, 40)),
-    dict(dkv_pipe=True),
 ])
 def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
-    bwd_longest_first, regs_bwd, dkv_pipe; the defaults run in every case above) give the oracle's dq, dk, dv on a case with
+    bwd_longest_first, regs_bwd; the defaults run in every case above) give the oracle's dq, dk, dv on a case with
     skip steps, masked rows, GQA and packed segments."""
     q, k, v, do, segs, cfg, kw, ip = _schedule_case(11, (6, 7), variant)
     loss = lambda o: (o.astype(jnp.float32) * do).sum()
@@ -179,8 +178,6 @@ def test_config_errors():
         mg.Config(dq_issue="dvdp")
     with pytest.raises(ValueError, match="regs_bwd"):
         mg.Config(regs_bwd=(248, 24))
-    with pytest.raises(ValueError, match="dkv_pipe"):
-        mg.Config(dkv_pipe=True, dkv_issue="sdp1")
 
 
 def test_kernel_no_races():
