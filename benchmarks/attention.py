@@ -76,9 +76,6 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "nab": dict(no_auto_barriers=True),
     "s4": dict(fwd_pipe=False),   # session 4's defaults
     "pipe64": dict(block_kv=64),
-    # session 6: Config.fwd_obar (optimization barriers after the softmax update)
-    "obar": dict(fwd_obar=True),
-    "nopipe_obar": dict(fwd_pipe=False, fwd_obar=True),
 }
 
 

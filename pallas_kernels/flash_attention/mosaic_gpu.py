@@ -79,11 +79,6 @@ class Config:
     # without a commit_smem (which has a warpgroup barrier) between. Measured neutral on the
     # H200 (forward and backward within run-to-run noise), so off.
     no_auto_barriers: bool = False
-    # Session 6. fwd_obar: optimization barriers after each key block's softmax update (acc,
-    # P, row max and sum), so the compiler finishes it before the barrier waits and the P V
-    # issue that follow (tokamax's sm90 kernel does this for head dims <= 128 and reports that
-    # the order matters).
-    fwd_obar: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
@@ -332,25 +327,20 @@ def _compiler_params(cfg: Config | None = None):
 # Forward.
 # ----------------------------------------------------------------------------------------------
 
-def _online_softmax(s2, acc, m_i, l_i, dtype, obar=False):
+def _online_softmax(s2, acc, m_i, l_i, dtype):
     """One key block of the base-2 online softmax (FA2 Alg. 1): s2 [bq, bkv] fp32 scaled and
     masked scores, acc [bq, Dv], m_i / l_i [bq] running max and sum. Returns the rescaled acc,
-    the new max and sum, and P [bq, bkv] in `dtype` for the P V product. obar
-    (Config.fwd_obar): optimization barriers pin all of it before what follows."""
+    the new max and sum, and P [bq, bkv] in `dtype` for the P V product."""
     m_new = jnp.maximum(m_i, s2.max(axis=1))
     alpha = jnp.exp2(m_i - m_new)
     p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, s2.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-    p16 = p.astype(dtype)
-    if obar:
-        acc, p16 = lax.optimization_barrier((acc, p16))
-        l_i, m_new = lax.optimization_barrier((l_i, m_new))
-    return acc, m_new, l_i, p16
+    return acc, m_new, l_i, p.astype(dtype)
 
 
 def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, cons,
-                     turn, mask, c2, stages, shapes, dtype, stage, interpret, obar=False):
+                     turn, mask, c2, stages, shapes, dtype, stage, interpret):
     """Forward key loop of one compute warpgroup, software-pipelined (Config.fwd_pipe).
 
     Key blocks [L, H) are the CTA's; this warpgroup computes [lo, hi) (element masks outside
@@ -382,7 +372,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         s = s * c2
         if masked:
             s = mask(s, j)
-        return _online_softmax(s, acc, m_i, l_i, dtype, obar)
+        return _online_softmax(s, acc, m_i, l_i, dtype)
 
     def skip(j, c):
         plgpu.barrier_wait(k_bar.at[slot(j)])
@@ -537,7 +527,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                 s = s * c2
                 if masked:
                     s = mask(s, ki)
-                acc, m_new, l_i, p16 = _online_softmax(s, acc, m_i, l_i, dtype, cfg.fwd_obar)
+                acc, m_new, l_i, p16 = _online_softmax(s, acc, m_i, l_i, dtype)
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)
@@ -552,7 +542,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                     q_smem=q_smem, k_smems=k_smems, v_smems=v_smems, bars=(k_bar, v_bar),
                     cons=(k_cons, v_cons), turn=sched, mask=mask, c2=c2, stages=stages,
                     shapes=((bq, bkv), (bq, Dv)), dtype=dtype, stage=stage,
-                    interpret=interpret, obar=cfg.fwd_obar)
+                    interpret=interpret)
             else:
                 acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip,
                                               (acc, m_i, l_i))

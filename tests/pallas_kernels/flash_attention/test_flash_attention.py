@@ -133,7 +133,6 @@ def _schedule_case(seed, seg_seeds, variant):
     dict(fwd_pipe=False),
     dict(fwd_longest_first=False, block_kv=64),
     dict(no_auto_barriers=True, fwd_pipe=False),   # no_auto_barriers: compiled only
-    dict(fwd_obar=True),
 ])
 def test_forward_schedules(variant):
     """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
