@@ -19,8 +19,9 @@ traced with jax.profiler into DIR/<shape index>_<impl>_fwdbwd and DIR/<shape ind
 (characters other than letters, digits, "_.-" in the impl become "_", e.g. ours_split); printed
 per program: a markdown table of its GPU kernels (launches per call, us per call, share of the
 summed kernel time) and the device busy us per call vs the wall us per call (first kernel's
-start to last kernel's end, divided by N), whose difference is the gaps between kernels. A
-failing trace prints its traceback; the benchmark goes on.
+start to last kernel's end, divided by N), whose difference is the gaps between kernels; then
+the last call's kernels of >= 5 us in launch order (the forward, dq and dk/dv kernels share one
+name). A failing trace prints its traceback; the benchmark goes on.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ from pallas_kernels.flash_attention import flash_attention  # noqa: E402
 from pallas_kernels.flash_attention import mosaic_gpu  # noqa: E402
 from pallas_kernels.flash_attention.reference import attention_reference  # noqa: E402
 
-from _trace import kernel_summary, summary_markdown  # noqa: E402 (benchmarks/_trace.py)
+from _trace import device_events, kernel_summary, summary_markdown  # noqa: E402 (benchmarks/_trace.py)
 
 SHAPES = [  # (name, B, T, N, Dqk, Dv, causal)
     ("MLA B4 T4096 N16 192/128 causal", 4, 4096, 16, 192, 128, True),
@@ -177,6 +178,13 @@ def _trace_programs(trace_dir, calls, si, iname, fwd, fwdbwd, args):
             print(f"\ntrace {d}: {calls} calls, {summ['events']} kernel launches", flush=True)
             if summ["events"]:
                 print(summary_markdown(summ, calls), flush=True)
+                # Kernels of one name (all Mosaic GPU kernels are "entry_mosaic_gpu_kernel")
+                # are told apart by their order: the last call's kernels of >= 5 us, in order.
+                evs = device_events(d)
+                last = evs[-(len(evs) // calls):]
+                print("last call, in order: " + ", ".join(
+                    f"{n[:28]} {dur / 1e3:.1f} us" for _, dur, n in last if dur >= 5000),
+                    flush=True)
         except Exception:  # noqa: BLE001 - report and keep benchmarking
             print(f"trace {d} FAILED:", flush=True)
             traceback.print_exc()
