@@ -7,8 +7,9 @@ Each cell: median over `reps` timings of `iters` back-to-back calls, after a war
 with `--rounds R` the impls of a shape are compiled first and then timed interleaved (R rounds,
 each impl once per round), the median over rounds reported with the forward's spread.
 
-`--impls` takes `ours`, `ours:VARIANT` (a `VARIANTS` entry: Config fields changed from
-`default_config`; one name may be listed twice to time it twice), `cudnn`, `tokamax`, `xla`.
+`--impls` takes `ours`, `ours:fused` (the fused backward of `mosaic_gpu_bwd`), `ours:VARIANT`
+(a `VARIANTS` entry: Config fields changed from `default_config`; one name may be listed twice
+to time it twice), `cudnn`, `tokamax`, `xla`.
 `--check` compares every impl with the fp32 chunked reference (`attention_reference` at
 "highest" matmul precision): relative L2 error of o and of dq, dk, dv (cotangent: one random
 dO), and for ours the max abs error of the natural lse. `--budget S` skips the cells left once
@@ -95,7 +96,21 @@ def ours(q, k, v, causal):
     return flash_attention(q, k, v, causal=causal, impl="pallas")
 
 
+def ours_fused(q, k, v, causal, return_lse=False):
+    """Our forward with the fused (FA3 hdim-192 layout) backward of `mosaic_gpu_bwd`."""
+    from pallas_kernels.flash_attention import mosaic_gpu_bwd
+    interpret = None
+    if jax.devices()[0].platform != "gpu":   # --tiny on CPU: GPU interpret mode
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+        interpret = plgpu.InterpretGPUParams()
+    o, lse = mosaic_gpu_bwd.flash_attention_fused(q, k, v, causal=causal, interpret=interpret)
+    return (o, lse) if return_lse else o
+
+
 def ours_variant(name):
+    if name == "fused":
+        return ours_fused
+
     def run(q, k, v, causal, return_lse=False):
         cfg = dataclasses.replace(mosaic_gpu.default_config(q.shape[-1], v.shape[-1]),
                                   **VARIANTS[name])

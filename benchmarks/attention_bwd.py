@@ -1,5 +1,5 @@
 """Flash-attention backward on one Hopper GPU: the v1 two-kernel backward (`mosaic_gpu._backward`)
-vs the fused v3 backward (`mosaic_gpu_bwd.backward`), alone and inside forward+backward, with
+vs the fused v4 backward (`mosaic_gpu_bwd.backward`), alone and inside forward+backward, with
 cuDNN as a peer, plus a compiled error check (vs v1 and vs an fp32 naive-softmax oracle).
 
 Run on the GPU machine:
@@ -102,9 +102,14 @@ def _one_kernel(mg, drop, **kw):
     time the other kernel alone (plus the shared jnp preparation)."""
     import jax.numpy as jnp
 
-    def fake(q, k, v, *args, **kwargs):
-        return jnp.zeros_like(q) if drop == "_dq_kernel_call" else (jnp.zeros_like(k),
-                                                                      jnp.zeros_like(v))
+    def fake(q, k, v, *args, o=None, **kwargs):
+        if drop != "_dq_kernel_call":
+            return jnp.zeros_like(k), jnp.zeros_like(v)
+        if o is None:
+            return jnp.zeros_like(q)
+        # The dq kernel also returns delta [B, N, Tp] for the dk/dv kernel when it gets O.
+        B, Tp, N, _ = q.shape
+        return jnp.zeros_like(q), jnp.zeros((B, N, Tp), jnp.float32)
 
     def bw(*x):
         orig = getattr(mg, drop)
@@ -132,8 +137,8 @@ def _load_hist(hist):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--shapes", default="0,1")
-    ap.add_argument("--variants", default="default", help="fused configs: default, p_bf16, "
-                    "stages3, regs232; timing ablations no_reduce, no_dq, no_exchange")
+    ap.add_argument("--variants", default="default", help="fused (v4) configs: default, "
+                    "stages1, regs232; timing ablations no_reduce, no_dq")
     ap.add_argument("--peers", action="store_true", help="also time cuDNN forward+backward")
     ap.add_argument("--no-v1", action="store_true")
     ap.add_argument("--v1-variants", default="", help="v1 backward with Config fields changed: "
@@ -164,11 +169,10 @@ def main():
     from pallas_kernels.flash_attention import mosaic_gpu as mg
     from pallas_kernels.flash_attention import mosaic_gpu_bwd as fb
 
-    variants = {"default": fb.FusedConfig(), "p_bf16": fb.FusedConfig(p_bf16=True),
-                "stages3": fb.FusedConfig(stages=3), "regs232": fb.FusedConfig(regs=(232, 40)),
+    variants = {"default": fb.FusedConfig(), "stages1": fb.FusedConfig(stages=1),
+                "regs232": fb.FusedConfig(regs=(232, 40)),
                 "no_reduce": fb.FusedConfig(ablate="no_reduce"),
-                "no_dq": fb.FusedConfig(ablate="no_dq"),
-                "no_exchange": fb.FusedConfig(ablate="no_exchange")}
+                "no_dq": fb.FusedConfig(ablate="no_dq")}
     hist = _load_hist(a.hist) if a.hist else {}
     ip = None
     if jax.devices()[0].platform != "gpu":
@@ -221,9 +225,9 @@ def main():
                         mg, drop, scale=scale, causal=causal, cfg=vcfg, interpret=ip)
         for vname in filter(None, a.variants.split(",")):
             if not fb.fits(Dqk, Dv, variants[vname]):   # would run the v1 fallback: skip
-                log(f"RESULT {name} v3 {vname}: does not fit shared memory, skipped")
+                log(f"RESULT {name} v4 {vname}: does not fit shared memory, skipped")
                 continue
-            bw_impls["v3 " + vname] = (lambda *x, fc=variants[vname]: fb.backward(
+            bw_impls["v4 " + vname] = (lambda *x, fc=variants[vname]: fb.backward(
                 *x, scale=scale, causal=causal, cfg=cfg, interpret=ip, fcfg=fc))
         grads = {}
         for iname, bw in bw_impls.items():
@@ -257,7 +261,7 @@ def main():
                                                                      interpret=ip)[0]
         vname0 = a.variants.split(",")[0]
         if vname0:
-            fb_impls["v3 " + vname0] = lambda q, k, v: fb.flash_attention_fused(
+            fb_impls["v4 " + vname0] = lambda q, k, v: fb.flash_attention_fused(
                 q, k, v, causal=causal, fcfg=variants[vname0], interpret=ip)[0]
         for vn in filter(None, a.v1_variants.split(",")):
             vcfg = dataclasses.replace(cfg, **VARIANTS[vn])
@@ -315,7 +319,7 @@ def main():
                 f32 = [x.astype(jnp.float32) for x in (q, k, v)]
                 gr = jax.jit(jax.grad(loss(lambda *x: attention_naive(*x, causal=causal)[0]),
                                       (0, 1, 2)))(*f32)
-                msg = " ".join(f"{n_} v3 {rel(x, z):.1e} v1 {rel(y, z):.1e}" for n_, x, y, z in
+                msg = " ".join(f"{n_} v4 {rel(x, z):.1e} v1 {rel(y, z):.1e}" for n_, x, y, z in
                                zip(("dq", "dk", "dv"), gf, g1, gr))
                 log(f"RESULT check {Dqk}/{Dv} causal={causal} T{T} S{S} (rel L2 vs fp32 oracle): {msg}")
             except Exception as e:  # noqa: BLE001

@@ -65,15 +65,15 @@ def test_fused_grads_match_oracle(name):
         assert _rel(a, b) < 1e-2, gname
 
 
-def test_fused_no_races_and_p_bf16():
-    """Race detection on (GPU interpret mode), one small MLA case with the bf16-P option."""
+def test_fused_no_races():
+    """Race detection on (GPU interpret mode), one small MLA case with GQA (two heads through
+    the Q/dO pipeline) and a ragged key tile."""
     if ON_GPU:
         pytest.skip("race detection is a CPU interpret-mode check; compiled cases run above")
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    q, k, v, do = _inputs(5, 1, 100, 100, 1, 1, 192, 128, jnp.bfloat16)
+    q, k, v, do = _inputs(5, 1, 100, 100, 2, 1, 192, 128, jnp.bfloat16)
     ip = plgpu.InterpretGPUParams(detect_races=True)
-    f = lambda q, k, v: fb.flash_attention_fused(q, k, v, causal=True, interpret=ip,
-                                                 fcfg=fb.FusedConfig(p_bf16=True))[0]
+    f = lambda q, k, v: fb.flash_attention_fused(q, k, v, causal=True, interpret=ip)[0]
     g = jax.grad(lambda *a: (f(*a).astype(jnp.float32) * do).sum(), (0, 1, 2))(q, k, v)
     jax.block_until_ready(g)
     assert not gpu_callbacks.get_races().races_found
@@ -84,14 +84,13 @@ def test_fused_no_races_and_p_bf16():
 
 
 def test_key_ranges_mask_padded_key_tiles():
-    """A 64-key tile holding padded keys has no unmasked sub-range; other tiles keep theirs."""
-    B, Tp, Sp, T, S = 1, 256, 256, 256, 150
-    delta = jnp.zeros((1,), jnp.int32)
-    wgb, ctab = fb._key_ranges(B, Sp, Tp, T, S, False, delta, None, None)
+    """A 48-key half tile holding padded keys has no unmasked sub-range; others keep theirs."""
+    B, Tp, Sp, T, S = 1, 256, 192, 256, 120
+    wgb, ctab = fb._key_ranges(B, Sp, Tp, T, S, False, 0, None, None)
     wgb = np.asarray(wgb)
     assert (wgb[0, 0] == [0, 0, 4, 4]).all() and (wgb[0, 1] == [0, 0, 4, 4]).all()
-    assert (wgb[0, 2] == [0, 4, 4, 4]).all()            # keys 128..191: 150.. are padding
-    assert wgb[0, 3, 0] == wgb[0, 3, 3]                  # keys 192..255: all padding, empty
+    assert (wgb[0, 2] == [0, 4, 4, 4]).all()            # keys 96..143: 120.. are padding
+    assert wgb[0, 3, 0] == wgb[0, 3, 3]                  # keys 144..191: all padding, empty
     assert (np.asarray(ctab)[0] == [[0, 4], [0, 4]]).all()
 
 
