@@ -313,9 +313,12 @@ def _iota(shape, dim):
     return plgpu.broadcasted_iota(jnp.int32, shape, dim, layout=_WGMMA)
 
 
-def _tiled(shape, dtype):
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, 64)),
-                                                plgpu.SwizzleTransform(128)))
+def _tiled(shape, dtype, swizzle=128):
+    """A shared-memory buffer in wgmma's layout: (8, swizzle / itemsize) tiles, `swizzle`-byte
+    swizzle (128 for 2-byte inputs: (8, 64) tiles)."""
+    elems = swizzle // jnp.dtype(dtype).itemsize
+    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
+                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def _compiler_params(cfg: Config | None = None):

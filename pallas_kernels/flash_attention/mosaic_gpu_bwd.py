@@ -53,7 +53,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention import mosaic_gpu as mg
 from pallas_kernels.flash_attention.mosaic_gpu import (LOG2E, _COL, _ROW, _WGMMA, _iota, _pad_to,
-                                                       _round_up)
+                                                       _round_up, _tiled)
 
 SMEM_LIMIT = 227 * 1024 - 1024   # the H100/H200 per-block opt-in limit, less barriers
 BQ, BN, HK = 64, 96, 48
@@ -90,12 +90,6 @@ def fits(Dqk, Dv, fc: FusedConfig | None = None):
     fc = FusedConfig() if fc is None else fc
     return (Dqk % 64 == 0 and Dv % 64 == 0
             and fused_smem_bytes(Dqk, Dv, fc) <= SMEM_LIMIT)
-
-
-def _smem(shape, dtype, swizzle):
-    elems = swizzle // jnp.dtype(dtype).itemsize
-    return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
-                                                plgpu.SwizzleTransform(swizzle)))
 
 
 def _fused_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_acc, *, scale,
@@ -286,10 +280,10 @@ def _fused_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, dq_
                 plgpu.barrier_wait(do_cons.at[slot])
 
     def entry(*refs):
-        st = None if not compiled else _smem((2, BQ, Dh), jnp.float32, 128)
-        smems = (_smem((stages, BQ, Dqk), dtype, 64), _smem((stages, BQ, Dv), dtype, 128),
-                 _smem((BN, Dqk), dtype, 64), _smem((BN, Dv), dtype, 128),
-                 _smem((BN, BQ), dtype, 128), _smem((BN, BQ), dtype, 64), st)
+        st = None if not compiled else _tiled((2, BQ, Dh), jnp.float32)
+        smems = (_tiled((stages, BQ, Dqk), dtype, 64), _tiled((stages, BQ, Dv), dtype),
+                 _tiled((BN, Dqk), dtype, 64), _tiled((BN, Dv), dtype),
+                 _tiled((BN, BQ), dtype), _tiled((BN, BQ), dtype, 64), st)
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=2))
         syncs = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
