@@ -96,14 +96,19 @@ def ours(q, k, v, causal):
     return flash_attention(q, k, v, causal=causal, impl="pallas")
 
 
+def _interpret():
+    """None on a GPU (compile the kernels); GPU interpret mode elsewhere (--tiny on CPU)."""
+    if jax.devices()[0].platform == "gpu":
+        return None
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    return plgpu.InterpretGPUParams()
+
+
 def ours_fused(q, k, v, causal, return_lse=False):
     """Our forward with the fused (FA3 hdim-192 layout) backward of `mosaic_gpu_bwd`."""
     from pallas_kernels.flash_attention import mosaic_gpu_bwd
-    interpret = None
-    if jax.devices()[0].platform != "gpu":   # --tiny on CPU: GPU interpret mode
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-        interpret = plgpu.InterpretGPUParams()
-    o, lse = mosaic_gpu_bwd.flash_attention_fused(q, k, v, causal=causal, interpret=interpret)
+    o, lse = mosaic_gpu_bwd.flash_attention_fused(q, k, v, causal=causal,
+                                                  interpret=_interpret())
     return (o, lse) if return_lse else o
 
 
@@ -114,12 +119,8 @@ def ours_variant(name):
     def run(q, k, v, causal, return_lse=False):
         cfg = dataclasses.replace(mosaic_gpu.default_config(q.shape[-1], v.shape[-1]),
                                   **VARIANTS[name])
-        interpret = None
-        if jax.devices()[0].platform != "gpu":   # --tiny on CPU: GPU interpret mode
-            from jax.experimental.pallas import mosaic_gpu as plgpu
-            interpret = plgpu.InterpretGPUParams()
         o, lse = mosaic_gpu.flash_attention_mosaic(q, k, v, causal=causal, cfg=cfg,
-                                                   interpret=interpret)
+                                                   interpret=_interpret())
         return (o, lse) if return_lse else o
     return run
 

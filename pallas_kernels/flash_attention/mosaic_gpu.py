@@ -1001,6 +1001,22 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
     )(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, *seg_args)
 
 
+def _delta_xla(o, do, dlse, Tp):
+    """delta [B, N, Tp] fp32 = rowsum(o * do) - dlse by XLA, padded rows 0 (o, do [B, T, N, Dv];
+    dlse [B, N, T] or None)."""
+    dlt = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
+    if dlse is not None:
+        dlt = dlt - dlse.astype(jnp.float32)
+    return _pad_to(dlt, 2, Tp)
+
+
+def _bwd_lse_do(lse2, do, dtype, Tp):
+    """The backward kernels' lse2 [B, N, Tp] (+inf on fully masked and padded rows, so P = 0
+    there) and dO [B, Tp, N, Dv] in the inputs' dtype."""
+    lse_b = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)
+    return _pad_to(lse_b, 2, Tp, value=jnp.inf), _pad_to(do.astype(dtype), 1, Tp)
+
+
 def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, interpret,
               static_delta=None):
     """dq, dk, dv from the forward residuals. dlse (cotangent of the natural lse) enters as
@@ -1015,13 +1031,8 @@ def _backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, 
         dlt = None
         dlse_p = None if dlse is None else _pad_to(dlse.astype(jnp.float32), 2, Tp)
     else:
-        dlt = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-        if dlse is not None:
-            dlt = dlt - dlse.astype(jnp.float32)
-        dlt = _pad_to(dlt, 2, Tp)
-    lse_b = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)     # fully masked rows: P = 0
-    lse_b = _pad_to(lse_b, 2, Tp, value=jnp.inf)              # padded rows: P = 0
-    dop = _pad_to(do.astype(q.dtype), 1, Tp)
+        dlt = _delta_xla(o, do, dlse, Tp)
+    lse_b, dop = _bwd_lse_do(lse2, do, q.dtype, Tp)
     wgb, ctab = _fwd_ranges(B, Tp, Sp, T, S, causal, delta, q_seg, kv_seg, cfg, cfg.block_kv_dq,
                             static_delta)
     dq = _dq_kernel_call(qp, kp, vp, dop, lse_b, dlt, wgb, ctab, delta, q_seg, kv_seg,

@@ -342,13 +342,8 @@ def backward(q, k, v, segs, offsets, o, lse2, do, dlse, *, scale, causal, cfg, i
     Sp = _round_up(S, BN)
     kp, vp = _pad_to(k, 1, Sp), _pad_to(v, 1, Sp)
     kv_seg = None if segs is None else _pad_to(segs[1].astype(jnp.int32), 1, Sp)
-    dlt = jnp.einsum("btnd,btnd->bnt", o.astype(jnp.float32), do.astype(jnp.float32))
-    if dlse is not None:
-        dlt = dlt - dlse.astype(jnp.float32)
-    dlt = _pad_to(dlt, 2, Tp)
-    lse_b = jnp.where(jnp.isneginf(lse2), jnp.inf, lse2)     # fully masked rows: P = 0
-    lse_b = _pad_to(lse_b, 2, Tp, value=jnp.inf)              # padded rows: P = 0
-    dop = _pad_to(do.astype(q.dtype), 1, Tp)
+    dlt = mg._delta_xla(o, do, dlse, Tp)
+    lse_b, dop = mg._bwd_lse_do(lse2, do, q.dtype, Tp)
     wgb, ctab = _key_ranges(B, Sp, Tp, T, S, causal, mg._delta0(delta, static_delta), q_seg,
                             kv_seg)
     dq_acc = jax.new_ref(jnp.zeros((B, Tp, N, Dqk), jnp.float32))
