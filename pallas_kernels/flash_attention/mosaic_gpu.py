@@ -33,6 +33,7 @@ _WGMMA = plgpu.Layout.WGMMA
 _ROW = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a [rows, cols] WGMMA tile
 _COL = plgpu.Layout.WGMMA.reduce(0)   # one value per column
 _M_INIT = -1e30                       # finite running-max start: no inf - inf on empty rows
+_NAMED_BAR0 = 4                       # hardware barriers 0..3: Mosaic GPU's (CTA, warpgroups)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,12 +80,30 @@ class Config:
     # without a commit_smem (which has a warpgroup barrier) between. Measured neutral on the
     # H200 (forward and backward within run-to-run noise), so off.
     no_auto_barriers: bool = False
+    # Session 8 (RESULTS.md "v8"). fwd_fma: the forward's row max is taken on the raw scores
+    # and P = exp2(s * c2 - m2) is one FMA per element (no separately scaled copy of S).
+    # H200: MLA B4 forward 551 -> 578 TFLOP/s, 128/128 485 -> 521. named_barriers (compiled
+    # kernels only; GPU interpret mode keeps mbarriers): the "slot consumed" signals of all
+    # three kernels and the forward's turn signals are PTX named barriers (bar.arrive /
+    # bar.sync, as tokamax's kernels use) instead of mbarriers; the TMA completion barriers
+    # stay mbarriers. H200: MLA B4 backward 2.14 -> 2.05 ms, 128/128 flat.
+    fwd_fma: bool = True
+    named_barriers: bool = True
+    # dkv_stat_smem: the dk/dv kernel's memory warpgroup TMA-loads each query block's lse and
+    # delta rows beside Q and dO (FA3 does the same), instead of every compute warpgroup
+    # loading them from global memory in every step (an L2 round trip before the S^T and
+    # dP^T products).
+    dkv_stat_smem: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r}: expected one of "
                                  f"{allowed}")
+        if self.named_barriers and 2 * max(self.stages, self.stages_bwd) + 2 > 16 - _NAMED_BAR0:
+            raise ValueError(f"Config.named_barriers: stages={self.stages}, stages_bwd="
+                             f"{self.stages_bwd} need more than the {16 - _NAMED_BAR0} free "
+                             "hardware barriers")
         for name in ("regs_fwd", "regs_bwd"):
             rc, rm = getattr(self, name)
             if rc % 8 or rm % 8 or not (24 <= rm <= rc <= 256) or 2 * rc + rm > 512:
@@ -321,6 +340,65 @@ def _tiled(shape, dtype, swizzle=128):
                                                 plgpu.SwizzleTransform(swizzle)))
 
 
+def _named_bar(op, bar_id, num_threads):
+    """PTX `bar.{op} bar_id, num_threads` (op "sync": arrive and wait; "arrive": do not wait) on
+    a hardware named barrier; bar_id a Python int or a traced int32 scalar."""
+    from jax.experimental.mosaic import gpu as mgpu
+    if isinstance(bar_id, int):
+        @plgpu.inline_mgpu()
+        def f(_):
+            mgpu.utils.inline_ptx(f"bar.{op} {bar_id}, {num_threads};", has_side_effects=True,
+                                  convergent=True)
+        f()
+    else:
+        @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
+        def f(_, i):
+            mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};", i.registers[()],
+                                  has_side_effects=True, convergent=True)
+        f(jnp.asarray(bar_id, jnp.int32))
+
+
+class _Sync:
+    """The "slot consumed" signals (two compute warpgroups -> the memory warpgroup) and the
+    compute warpgroups' turn signals of one kernel, as mbarriers or (`named`, compiled only)
+    PTX named barriers: hardware barrier _NAMED_BAR0 + i, `cons` kinds in order, `stages`
+    slots each, then the two turns. A named barrier counts arrivals without phases; every
+    protocol here lets a side arrive again only after the other side has waited."""
+
+    def __init__(self, cons, turn, *, named, stages):
+        self.cons, self.turn, self.named, self.stages = cons, turn, named, stages
+        self.kinds = list(cons)
+
+    def _id(self, kind, slot):
+        return _NAMED_BAR0 + self.kinds.index(kind) * self.stages + slot
+
+    def free(self, kind, slot):
+        """Compute warpgroup: done reading `kind`'s shared-memory slot."""
+        if self.named:
+            _named_bar("arrive", self._id(kind, slot), 3 * 128)
+        else:
+            plgpu.barrier_arrive(self.cons[kind].at[slot])
+
+    def wait_free(self, kind, slot):
+        """Memory warpgroup: wait until both compute warpgroups freed the slot."""
+        if self.named:
+            _named_bar("sync", self._id(kind, slot), 3 * 128)
+        else:
+            plgpu.barrier_wait(self.cons[kind].at[slot])
+
+    def turn_wait(self, wg):
+        if self.named:
+            _named_bar("sync", _NAMED_BAR0 + len(self.kinds) * self.stages + wg, 2 * 128)
+        else:
+            plgpu.barrier_wait(self.turn.at[wg])
+
+    def turn_pass(self, wg):
+        if self.named:
+            _named_bar("arrive", _NAMED_BAR0 + len(self.kinds) * self.stages + 1 - wg, 2 * 128)
+        else:
+            plgpu.barrier_arrive(self.turn.at[1 - wg])
+
+
 def _compiler_params(cfg: Config | None = None):
     nab = cfg is not None and cfg.no_auto_barriers
     return plgpu.CompilerParams(approx_math=True, unsafe_no_auto_barriers=nab)
@@ -330,20 +408,22 @@ def _compiler_params(cfg: Config | None = None):
 # Forward.
 # ----------------------------------------------------------------------------------------------
 
-def _online_softmax(s2, acc, m_i, l_i, dtype):
+def _online_softmax(s2, acc, m_i, l_i, dtype, c2=None):
     """One key block of the base-2 online softmax (FA2 Alg. 1): s2 [bq, bkv] fp32 scaled and
     masked scores, acc [bq, Dv], m_i / l_i [bq] running max and sum. Returns the rescaled acc,
-    the new max and sum, and P [bq, bkv] in `dtype` for the P V product."""
-    m_new = jnp.maximum(m_i, s2.max(axis=1))
+    the new max and sum, and P [bq, bkv] in `dtype` for the P V product. With `c2`, s2 is the
+    unscaled masked S and the scale enters P = exp2(S * c2 - m) as one FMA (c2 > 0, so
+    max(S) * c2 = max(S * c2))."""
+    m_new = jnp.maximum(m_i, s2.max(axis=1) if c2 is None else s2.max(axis=1) * c2)
     alpha = jnp.exp2(m_i - m_new)
-    p = jnp.exp2(s2 - lax.broadcast_in_dim(m_new, s2.shape, [0]))
+    p = jnp.exp2((s2 if c2 is None else s2 * c2) - lax.broadcast_in_dim(m_new, s2.shape, [0]))
     l_i = l_i * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return acc, m_new, l_i, p.astype(dtype)
 
 
-def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, cons,
-                     turn, mask, c2, stages, shapes, dtype, stage, interpret):
+def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, sync,
+                     mask, c2, fma, stages, shapes, dtype, stage, interpret):
     """Forward key loop of one compute warpgroup, software-pipelined (Config.fwd_pipe).
 
     Key blocks [L, H) are the CTA's; this warpgroup computes [lo, hi) (element masks outside
@@ -356,32 +436,32 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
     at the end). Returns (acc [bq, Dv] fp32 unnormalised, m2 [bq], l [bq]).
     """
     k_bar, v_bar = bars
-    k_cons, v_cons = cons
     (bq, bkv), acc_shape = shapes
     acc, m_i, l_i = carry
 
     def turn_wait(j):
         @pl.when((wg == 1) | (j != L))
         def _():
-            plgpu.barrier_wait(turn.at[wg])
+            sync.turn_wait(wg)
 
     def turn_arrive():
-        plgpu.barrier_arrive(turn.at[1 - wg])
+        sync.turn_pass(wg)
 
     def slot(j):
         return lax.rem(j - L, stages)
 
     def softmax(s, j, acc, m_i, l_i, masked):
-        s = s * c2
+        if not fma:
+            s = s * c2
         if masked:
             s = mask(s, j)
-        return _online_softmax(s, acc, m_i, l_i, dtype)
+        return _online_softmax(s, acc, m_i, l_i, dtype, c2 if fma else None)
 
     def skip(j, c):
         plgpu.barrier_wait(k_bar.at[slot(j)])
-        plgpu.barrier_arrive(k_cons.at[slot(j)])
+        sync.free("k", slot(j))
         plgpu.barrier_wait(v_bar.at[slot(j)])
-        plgpu.barrier_arrive(v_cons.at[slot(j)])
+        sync.free("v", slot(j))
         turn_wait(j)
         turn_arrive()
         return c
@@ -396,7 +476,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
             turn_arrive()
             return s_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-        plgpu.barrier_arrive(k_cons.at[slot(j)])
+        sync.free("k", slot(j))
         return softmax(s, j, acc, m_i, l_i, True)
 
     def step(j, c, *, masked):
@@ -408,8 +488,8 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         acc, s = _mm_acc_then_fresh(p16, v_smems.at[sp], acc, q_smem, k_smems.at[sj].T,
                                     (bq, bkv), interpret=interpret, stage=stage,
                                     after_issue=turn_arrive)
-        plgpu.barrier_arrive(v_cons.at[sp])
-        plgpu.barrier_arrive(k_cons.at[sj])
+        sync.free("v", sp)
+        sync.free("k", sj)
         return softmax(s, j, acc, m_i, l_i, masked)
 
     def last(j, c):           # the P V product of block hi - 1
@@ -417,7 +497,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         plgpu.barrier_wait(v_bar.at[slot(j)])
         acc = _mm(p16, v_smems.at[slot(j)], acc_shape, acc, interpret=interpret, stage=stage,
                   a_in_regs=True)
-        plgpu.barrier_arrive(v_cons.at[slot(j)])
+        sync.free("v", slot(j))
         return acc, m_i, l_i, p16
 
     p0 = plgpu.layout_cast(jnp.zeros((bq, bkv), dtype), _WGMMA)
@@ -434,7 +514,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
 
     @pl.when((wg == 0) & (H > L))
     def _():
-        plgpu.barrier_wait(turn.at[0])
+        sync.turn_wait(0)
     return c[:3]
 
 
@@ -451,6 +531,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
     c2 = scale * LOG2E
     union_o = Dv <= Dqk and (bq * Dqk) % Dv == 0 and ((bq * Dqk) // Dv) % 8 == 0
     n_qt = Tp // (2 * bq)
+    named = cfg.named_barriers and interpret is None
 
     def kernel(q_ref, k_ref, v_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
                scoped):
@@ -463,6 +544,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
         (qo_smems, k_smems, v_smems, lse_smems, stage_smems), (k_bar, v_bar, q_bar), \
             (k_cons, v_cons), sched = scoped
         q_smems, o_smems = qo_smems
+        sig = _Sync({"k": k_cons, "v": v_cons}, sched, named=named, stages=stages)
         L = ctab_ref[b, qt, 0]
         H = ctab_ref[b, qt, 1]
 
@@ -507,10 +589,10 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
             def skip(ki):
                 slot = lax.rem(ki - L, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
-                plgpu.barrier_arrive(k_cons.at[slot])
+                sig.free("k", slot)
                 sync()
                 plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_arrive(v_cons.at[slot])
+                sig.free("v", slot)
                 sync()
 
             stage = None if stage_smems is None else stage_smems.at[wg]
@@ -525,25 +607,27 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                     plgpu.barrier_arrive(sched)
                     return acc_ref[...]
                 s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-                plgpu.barrier_arrive(k_cons.at[slot])
+                sig.free("k", slot)
                 plgpu.barrier_wait(sched)
-                s = s * c2
+                if not cfg.fwd_fma:
+                    s = s * c2
                 if masked:
                     s = mask(s, ki)
-                acc, m_new, l_i, p16 = _online_softmax(s, acc, m_i, l_i, dtype)
+                acc, m_new, l_i, p16 = _online_softmax(s, acc, m_i, l_i, dtype,
+                                                       c2 if cfg.fwd_fma else None)
                 plgpu.barrier_arrive(sched)
                 plgpu.barrier_wait(v_bar.at[slot])
                 plgpu.barrier_wait(sched)
                 acc = _mm(p16, v_smems.at[slot], (bq, Dv), acc, interpret=interpret,
                           a_in_regs=True, stage=stage)
-                plgpu.barrier_arrive(v_cons.at[slot])
+                sig.free("v", slot)
                 return acc, m_new, l_i
 
             if cfg.fwd_pipe:
                 acc, m_i, l_i = _pipelined_loops(
                     L=L, lo=lo, mlo=mlo, mhi=mhi, hi=hi, H=H, wg=wg, carry=(acc, m_i, l_i),
                     q_smem=q_smem, k_smems=k_smems, v_smems=v_smems, bars=(k_bar, v_bar),
-                    cons=(k_cons, v_cons), turn=sched, mask=mask, c2=c2, stages=stages,
+                    sync=sig, mask=mask, c2=c2, fma=cfg.fwd_fma, stages=stages,
                     shapes=((bq, bkv), (bq, Dv)), dtype=dtype, stage=stage,
                     interpret=interpret)
             else:
@@ -580,17 +664,17 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
             @pl.loop(L + stages, H)
             def _(ki):
                 slot = lax.rem(ki - L, stages)
-                plgpu.barrier_wait(k_cons.at[slot])
+                sig.wait_free("k", slot)
                 ks = pl.ds(ki * bkv, bkv)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
+                sig.wait_free("v", slot)
                 plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
 
             @pl.loop(jnp.maximum(H - stages, L), H)
             def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
                 slot = lax.rem(ki - L, stages)
-                plgpu.barrier_wait(k_cons.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
+                sig.wait_free("k", slot)
+                sig.wait_free("v", slot)
 
     def entry(*refs):
         q_s = _tiled((2, bq, Dqk), dtype)
@@ -649,6 +733,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
     c2 = scale * LOG2E
     own_dlt = o is not None
     has_dlse = dlse is not None
+    named = cfg.named_barriers and interpret is None
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_or_o_ref, wgb_ref, ctab_ref, dl_ref,
                qseg_ref, kseg_ref, *rest):
@@ -663,6 +748,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
         wg = lax.axis_index("wg")
         (q_smems, do_smems, k_smems, v_smems, stage_smems, o_smems, dlt_smems), \
             (k_bar, v_bar, q_bar, do_bar, o_bar), (k_cons, v_cons) = scoped
+        sig = _Sync({"k": k_cons, "v": v_cons}, None, named=named, stages=stages)
         L = ctab_ref[b, qt, 0]
         H = ctab_ref[b, qt, 1]
 
@@ -731,19 +817,19 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
                     p = probs(_mm(q_smem, k_smems.at[slot].T, (bq, bkv), interpret=interpret))
                     plgpu.barrier_wait(v_bar.at[slot])
                     dp = _mm(do_smem, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
-                plgpu.barrier_arrive(v_cons.at[slot])
+                sig.free("v", slot)
                 ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
                 dq = _mm(ds.astype(dtype), k_smems.at[slot], (bq, Dqk), dq, interpret=interpret,
                          stage=stage, a_in_regs=True)
-                plgpu.barrier_arrive(k_cons.at[slot])
+                sig.free("k", slot)
                 return dq
 
             def skip(ki):
                 slot = lax.rem(ki - L, stages)
                 plgpu.barrier_wait(k_bar.at[slot])
                 plgpu.barrier_wait(v_bar.at[slot])
-                plgpu.barrier_arrive(v_cons.at[slot])
-                plgpu.barrier_arrive(k_cons.at[slot])
+                sig.free("v", slot)
+                sig.free("k", slot)
 
             dq = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, dq)
             q_smem[...] = (dq * scale).astype(dtype)
@@ -770,16 +856,16 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
             def _(ki):
                 slot = lax.rem(ki - L, stages)
                 ks = pl.ds(ki * bkv, bkv)
-                plgpu.barrier_wait(k_cons.at[slot])
+                sig.wait_free("k", slot)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
+                sig.wait_free("v", slot)
                 plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
 
             @pl.loop(jnp.maximum(H - stages, L), H)
             def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
                 slot = lax.rem(ki - L, stages)
-                plgpu.barrier_wait(k_cons.at[slot])
-                plgpu.barrier_wait(v_cons.at[slot])
+                sig.wait_free("k", slot)
+                sig.wait_free("v", slot)
 
     def entry(*refs):
         stage = plgpu.SMEM((2, bq, bkv), dtype) if interpret else None
@@ -819,6 +905,8 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
     dtype = q.dtype
     has_seg = q_seg is not None
     c2 = scale * LOG2E
+    named = cfg.named_barriers and interpret is None
+    stat = cfg.dkv_stat_smem
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
                kseg_ref, dk_ref, dv_ref, scoped):
@@ -826,8 +914,9 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         kvh = lax.axis_index("h")
         kt = lax.axis_index("kt")
         wg = lax.axis_index("wg")
-        (k_smems, v_smems, q_smems, do_smems, stage_smems), (q_bar, do_bar, k_bar, v_bar), \
-            (q_cons, do_cons) = scoped
+        (k_smems, v_smems, q_smems, do_smems, stage_smems, lse_smems, dlt_smems), \
+            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons) = scoped
+        sig = _Sync({"q": q_cons, "do": do_cons}, None, named=named, stages=stages)
         L = ctab_ref[b, kt, 0]
         H = ctab_ref[b, kt, 1]
         n_c = H - L
@@ -862,7 +951,8 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     # Issued before the Q wait, off the S product's path (measured: no change
                     # on the H200, RESULTS.md v2); dlt stays after dP: loaded earlier it would
                     # raise the register peak.
-                    lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
+                    if not stat:
+                        lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     if masked and has_seg:
                         qseg = plgpu.load(qseg_ref.at[b, qs], layout=_COL, optimized=False)
                     def probs(sT, folded=False):
@@ -884,6 +974,13 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         return pT
 
                     plgpu.barrier_wait(q_bar.at[slot])
+                    if stat:   # the rows' statistics came with Q (lse) and dO (delta)
+                        lse = plgpu.load(lse_smems.at[slot], layout=_COL, optimized=False)
+
+                    def load_dlt():
+                        if stat:
+                            return plgpu.load(dlt_smems.at[slot], layout=_COL, optimized=False)
+                        return plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
                     do_s = do_smems.at[slot]
                     if cfg.dkv_issue in ("sdp", "sdp1"):
                         plgpu.barrier_wait(do_bar.at[slot])
@@ -909,7 +1006,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         plgpu.barrier_wait(do_bar.at[slot])
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
                                  stage=stage, a_in_regs=True)
-                        dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                        dlt = load_dlt()
                         dpT = _mm(v_smem, do_s.T, (bkv, bq),
                                   lax.broadcast_in_dim(-dlt, (bkv, bq), [1]), interpret=interpret)
                     else:
@@ -918,23 +1015,27 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
                                  stage=stage, a_in_regs=True)
                         dpT = _mm(v_smem, do_s.T, (bkv, bq), interpret=interpret)
-                    plgpu.barrier_arrive(do_cons.at[slot])
-                    if cfg.dkv_issue == "serial" and cfg.dkv_fold:
+                    folded = cfg.dkv_issue == "serial" and cfg.dkv_fold
+                    if stat and not folded:
+                        dlt = load_dlt()    # before the dO slot (and its delta row) is freed
+                    sig.free("do", slot)
+                    if folded:
                         dsT = pT * dpT
                     else:
-                        dlt = plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
+                        if not stat:
+                            dlt = load_dlt()
                         dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
                     dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
                              interpret=interpret, stage=stage, a_in_regs=True)
-                    plgpu.barrier_arrive(q_cons.at[slot])
+                    sig.free("q", slot)
                     return dk, dv
 
                 def skip(c):
                     slot = lax.rem(g * n_c + c - L, stages)
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(do_bar.at[slot])
-                    plgpu.barrier_arrive(do_cons.at[slot])
-                    plgpu.barrier_arrive(q_cons.at[slot])
+                    sig.free("do", slot)
+                    sig.free("q", slot)
 
                 return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry)
 
@@ -951,13 +1052,25 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
             plgpu.set_max_registers(cfg.regs_bwd[1], action="decrease")
             n = G * n_c
 
+            def copy_q(b, qs, h, slot):     # Q rows (+ their lse with dkv_stat_smem)
+                plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
+                if stat:
+                    plgpu.copy_gmem_to_smem(lse_ref.at[b, h, qs], lse_smems.at[slot],
+                                            q_bar.at[slot])
+
+            def copy_do(b, qs, h, slot):    # dO rows (+ their delta)
+                plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
+                if stat:
+                    plgpu.copy_gmem_to_smem(dlt_ref.at[b, h, qs], dlt_smems.at[slot],
+                                            do_bar.at[slot])
+
             def load(j, slot):
                 g = lax.div(j, n_c1)
                 c = L + lax.rem(j, n_c1)
                 h = kvh * G + g
                 qs = pl.ds(c * bq, bq)
-                plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
+                copy_q(b, qs, h, slot)
+                copy_do(b, qs, h, slot)
 
             for i in range(stages):
                 @pl.when(i < n)
@@ -971,22 +1084,26 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                 c = L + lax.rem(j, n_c1)
                 h = kvh * G + g
                 qs = pl.ds(c * bq, bq)
-                plgpu.barrier_wait(q_cons.at[slot])
-                plgpu.copy_gmem_to_smem(q_ref.at[b, qs, h], q_smems.at[slot], q_bar.at[slot])
-                plgpu.barrier_wait(do_cons.at[slot])
-                plgpu.copy_gmem_to_smem(do_ref.at[b, qs, h], do_smems.at[slot], do_bar.at[slot])
+                sig.wait_free("q", slot)
+                copy_q(b, qs, h, slot)
+                sig.wait_free("do", slot)
+                copy_do(b, qs, h, slot)
 
             @pl.loop(jnp.maximum(n - stages, 0), n)
             def _(j):
                 slot = lax.rem(j, stages)
-                plgpu.barrier_wait(q_cons.at[slot])
-                plgpu.barrier_wait(do_cons.at[slot])
+                sig.wait_free("q", slot)
+                sig.wait_free("do", slot)
 
     def entry(*refs):
         stage = plgpu.SMEM((2, bkv, bq), dtype) if interpret else None
         smems = (_tiled((2, bkv, Dqk), dtype), _tiled((2, bkv, Dv), dtype),
-                 _tiled((stages, bq, Dqk), dtype), _tiled((stages, bq, Dv), dtype), stage)
-        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
+                 _tiled((stages, bq, Dqk), dtype), _tiled((stages, bq, Dv), dtype), stage,
+                 plgpu.SMEM((stages, bq), jnp.float32) if stat else None,
+                 plgpu.SMEM((stages, bq), jnp.float32) if stat else None)
+        per_slot = 2 if stat else 1     # TMA copies completing on each Q / dO barrier
+        bars = (plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
         cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages))

@@ -133,6 +133,8 @@ def _schedule_case(seed, seg_seeds, variant):
     dict(fwd_pipe=False),
     dict(fwd_longest_first=False, block_kv=64),
     dict(no_auto_barriers=True, fwd_pipe=False),   # no_auto_barriers: compiled only
+    dict(fwd_fma=False),
+    dict(fwd_fma=False, fwd_pipe=False, named_barriers=False),   # named_barriers: compiled only
 ])
 def test_forward_schedules(variant):
     """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
@@ -157,6 +159,9 @@ def test_forward_schedules(variant):
     dict(dq_issue="sdp", dkv_issue="sdp"),
     dict(dkv_issue="dvdp"),
     dict(dkv_fold=False, dq_issue="serial", bwd_longest_first=False, regs_bwd=(232, 40)),
+    dict(named_barriers=False),    # named_barriers: compiled only (mbarriers in interpret mode)
+    dict(dkv_stat_smem=True),
+    dict(dkv_stat_smem=True, dkv_issue="sdp1"),
 ])
 def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
