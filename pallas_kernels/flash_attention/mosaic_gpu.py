@@ -82,18 +82,24 @@ class Config:
     no_auto_barriers: bool = False
     # Session 8 (RESULTS.md "v8"). fwd_fma: the forward's row max is taken on the raw scores
     # and P = exp2(s * c2 - m2) is one FMA per element (no separately scaled copy of S).
-    # H200: MLA B4 forward 551 -> 578 TFLOP/s, 128/128 485 -> 521. named_barriers (compiled
-    # kernels only; GPU interpret mode keeps mbarriers): the "slot consumed" signals of all
-    # three kernels and the forward's turn signals are PTX named barriers (bar.arrive /
-    # bar.sync, as tokamax's kernels use) instead of mbarriers; the TMA completion barriers
-    # stay mbarriers. H200: MLA B4 backward 2.14 -> 2.05 ms, 128/128 flat.
+    # H200: MLA B4 forward 551 -> 578 TFLOP/s, 128/128 485 -> 521. named_barriers: the
+    # "slot consumed" signals of all three kernels and the turn signals are PTX named
+    # barriers (bar.arrive / bar.sync, as tokamax's kernels use) instead of mbarriers; the
+    # TMA completion barriers stay mbarriers. H200: MLA B4 backward 2.14 -> 2.05 ms, 128/128
+    # flat. GPU interpret mode keeps mbarriers unless its params set
+    # inline_mgpu=INTERPRET_NAMED_BARRIERS (the race-detection test does).
     fwd_fma: bool = True
     named_barriers: bool = True
     # dkv_stat_smem: the dk/dv kernel's memory warpgroup TMA-loads each query block's lse and
     # delta rows beside Q and dO (FA3 does the same), instead of every compute warpgroup
     # loading them from global memory in every step (an L2 round trip before the S^T and
-    # dP^T products).
-    dkv_stat_smem: bool = False
+    # dP^T products). H200: backward 128/128 1.69 -> 1.60 ms, MLA B4 2.11 -> 2.07 ms;
+    # gradients bitwise unchanged.
+    dkv_stat_smem: bool = True
+    # dkv_turns: the dk/dv kernel's two compute warpgroups take turns (FA3's forward ping-pong
+    # applied to the backward): each waits for the other before issuing a step's first product
+    # and before dK, so one warpgroup's exp / dS work runs under the other's products.
+    dkv_turns: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
@@ -252,11 +258,12 @@ def _tile_ranges_jnp(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q,
 # Shared in-kernel helpers.
 # ----------------------------------------------------------------------------------------------
 
-def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False):
+def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False, after_issue=None):
     """wgmma a @ b into a fresh fp32 [shape] accumulator, plus `acc` if given.
 
     `a` may be a register array (a_in_regs; compiled: wgmma's A-from-registers form). GPU
     interpret mode only reads wgmma operands from SMEM, so there `a` is first stored to `stage`.
+    `after_issue()` runs once the product is issued, before the wait.
     """
     if interpret and a_in_regs:
         stage[...] = a
@@ -264,28 +271,34 @@ def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False):
     if acc is not None and not interpret:
         def body(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
+            if after_issue is not None:
+                after_issue()
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
     def body(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
+        if after_issue is not None:
+            after_issue()
         return acc_ref[...]
     out = pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
     return out if acc is None else acc + out
 
 
-def _mm_two(a1, b1, shape1, a2, b2, shape2, *, interpret, between=None):
+def _mm_two(a1, b1, shape1, a2, b2, shape2, *, interpret, between=None, after_issue=None):
     """Two wgmmas from shared memory issued back to back: (a1 @ b1, a2 @ b2) in fresh fp32
     accumulators, one wait for both (one pipeline drain instead of two). With `between`, waits
     for the first product only, returns (between(first), second) and runs `between` while the
-    second product is on the tensor cores."""
+    second product is on the tensor cores. `after_issue()` runs once both are issued."""
     if interpret:
         x1 = _mm(a1, b1, shape1, interpret=interpret)
-        x2 = _mm(a2, b2, shape2, interpret=interpret)
+        x2 = _mm(a2, b2, shape2, interpret=interpret, after_issue=after_issue)
         return (x1 if between is None else between(x1)), x2
 
     def body(r1, r2):
         plgpu.wgmma(r1, a1, b1)
         plgpu.wgmma(r2, a2, b2)
+        if after_issue is not None:
+            after_issue()
         if between is None:
             return r1[...], r2[...]
         y = between(plgpu.wgmma_accumulator_load(r1, wait_n=1))
@@ -340,28 +353,42 @@ def _tiled(shape, dtype, swizzle=128):
                                                 plgpu.SwizzleTransform(swizzle)))
 
 
-def _named_bar(op, bar_id, num_threads):
-    """PTX `bar.{op} bar_id, num_threads` (op "sync": arrive and wait; "arrive": do not wait) on
-    a hardware named barrier; bar_id a Python int or a traced int32 scalar."""
+def _named_bar(operation, barrier_id, num_threads):
+    """PTX `bar.{operation} barrier_id, num_threads` on a hardware named barrier (operation
+    "sync": arrive and wait; "arrive": do not wait); barrier_id a Python int or a traced int32
+    scalar. The inner function's name (`bar_op`) and closure (`operation`, `num_threads`,
+    `barrier_id`) are what GPU interpret mode recognises, so the interpreter (and its race
+    detector) runs these barriers too."""
     from jax.experimental.mosaic import gpu as mgpu
-    if isinstance(bar_id, int):
+    if isinstance(barrier_id, int):
         @plgpu.inline_mgpu()
-        def f(_):
-            mgpu.utils.inline_ptx(f"bar.{op} {bar_id}, {num_threads};", has_side_effects=True,
-                                  convergent=True)
-        f()
+        def bar_op(_):
+            mgpu.utils.inline_ptx(f"bar.{operation} {barrier_id}, {num_threads};",
+                                  has_side_effects=True, convergent=True)
+        bar_op()
     else:
         @plgpu.inline_mgpu(arg_types=(plgpu.Layout.WG_SPLAT,))
-        def f(_, i):
-            mgpu.utils.inline_ptx(f"bar.{op} $0, {num_threads};", i.registers[()],
+        def bar_op(_, i):
+            mgpu.utils.inline_ptx(f"bar.{operation} $0, {num_threads};", i.registers[()],
                                   has_side_effects=True, convergent=True)
-        f(jnp.asarray(bar_id, jnp.int32))
+        bar_op(jnp.asarray(barrier_id, jnp.int32))
+
+
+# GPU interpret mode runs `_named_bar` only with this (private) setting; with its default
+# ("error") the kernels keep mbarriers there.
+INTERPRET_NAMED_BARRIERS = "_hack_model_inline_mgpu_tokamax"
+
+
+def _use_named(cfg, interpret):
+    """Config.named_barriers, unless in GPU interpret mode without INTERPRET_NAMED_BARRIERS."""
+    return cfg.named_barriers and (
+        interpret is None or getattr(interpret, "inline_mgpu", "") == INTERPRET_NAMED_BARRIERS)
 
 
 class _Sync:
     """The "slot consumed" signals (two compute warpgroups -> the memory warpgroup) and the
-    compute warpgroups' turn signals of one kernel, as mbarriers or (`named`, compiled only)
-    PTX named barriers: hardware barrier _NAMED_BAR0 + i, `cons` kinds in order, `stages`
+    compute warpgroups' turn signals of one kernel, as mbarriers or (`named`) PTX named
+    barriers: hardware barrier _NAMED_BAR0 + i, `cons` kinds in order, `stages`
     slots each, then the two turns. A named barrier counts arrivals without phases; every
     protocol here lets a side arrive again only after the other side has waited."""
 
@@ -531,7 +558,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
     c2 = scale * LOG2E
     union_o = Dv <= Dqk and (bq * Dqk) % Dv == 0 and ((bq * Dqk) // Dv) % 8 == 0
     n_qt = Tp // (2 * bq)
-    named = cfg.named_barriers and interpret is None
+    named = _use_named(cfg, interpret)
 
     def kernel(q_ref, k_ref, v_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
                scoped):
@@ -733,7 +760,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
     c2 = scale * LOG2E
     own_dlt = o is not None
     has_dlse = dlse is not None
-    named = cfg.named_barriers and interpret is None
+    named = _use_named(cfg, interpret)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_or_o_ref, wgb_ref, ctab_ref, dl_ref,
                qseg_ref, kseg_ref, *rest):
@@ -905,8 +932,9 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
     dtype = q.dtype
     has_seg = q_seg is not None
     c2 = scale * LOG2E
-    named = cfg.named_barriers and interpret is None
+    named = _use_named(cfg, interpret)
     stat = cfg.dkv_stat_smem
+    turns = cfg.dkv_turns
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
                kseg_ref, dk_ref, dv_ref, scoped):
@@ -915,8 +943,8 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         kt = lax.axis_index("kt")
         wg = lax.axis_index("wg")
         (k_smems, v_smems, q_smems, do_smems, stage_smems, lse_smems, dlt_smems), \
-            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons) = scoped
-        sig = _Sync({"q": q_cons, "do": do_cons}, None, named=named, stages=stages)
+            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons, turn) = scoped
+        sig = _Sync({"q": q_cons, "do": do_cons}, turn, named=named, stages=stages)
         L = ctab_ref[b, kt, 0]
         H = ctab_ref[b, kt, 1]
         n_c = H - L
@@ -941,12 +969,25 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
             plgpu.barrier_wait(k_bar.at[wg])
             plgpu.barrier_wait(v_bar.at[wg])
 
+            pass_turn = (lambda: sig.turn_pass(wg)) if turns else None
+
+            def wait_turn(first=None):
+                """dkv_turns: before a warpgroup issues the first product of a step, and
+                before dK; warpgroup 0 takes the CTA's first turn unasked."""
+                if not turns:
+                    return
+                if first is None:
+                    sig.turn_wait(wg)
+                else:
+                    pl.when((wg == 1) | jnp.logical_not(first))(lambda: sig.turn_wait(wg))
+
             def head(g, carry):
                 h = kvh * G + g
 
                 def step(c, carry, *, masked):
                     dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
+                    first = ((g == 0) & (c == L)) if turns else None
                     qs = pl.ds(c * bq, bq)
                     # Issued before the Q wait, off the S product's path (measured: no change
                     # on the H200, RESULTS.md v2); dlt stays after dP: loaded earlier it would
@@ -973,26 +1014,41 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                                 pT = jnp.where(ok, pT, 0.0)
                         return pT
 
+                    def stat_load(ref):
+                        x = plgpu.load(ref, layout=_COL, optimized=False)
+                        if interpret:
+                            # The TMA that refills this slot (async proxy) follows a plain
+                            # shared-memory read here; compiled, the read has completed (its
+                            # value feeds a product) before the slot is freed, which GPU
+                            # interpret mode's race detector does not model: a proxy fence
+                            # tells it so.
+                            plgpu.commit_smem()
+                        return x
+
                     plgpu.barrier_wait(q_bar.at[slot])
                     if stat:   # the rows' statistics came with Q (lse) and dO (delta)
-                        lse = plgpu.load(lse_smems.at[slot], layout=_COL, optimized=False)
+                        lse = stat_load(lse_smems.at[slot])
 
                     def load_dlt():
                         if stat:
-                            return plgpu.load(dlt_smems.at[slot], layout=_COL, optimized=False)
+                            return stat_load(dlt_smems.at[slot])
                         return plgpu.load(dlt_ref.at[b, h, qs], layout=_COL, optimized=False)
                     do_s = do_smems.at[slot]
                     if cfg.dkv_issue in ("sdp", "sdp1"):
                         plgpu.barrier_wait(do_bar.at[slot])
+                        wait_turn(first)
                         pT, dpT = _mm_two(k_smem, q_smems.at[slot].T, (bkv, bq), v_smem, do_s.T,
                                           (bkv, bq), interpret=interpret,
-                                          between=probs if cfg.dkv_issue == "sdp1" else None)
+                                          between=probs if cfg.dkv_issue == "sdp1" else None,
+                                          after_issue=pass_turn)
                         if cfg.dkv_issue == "sdp":
                             pT = probs(pT)
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
                                  stage=stage, a_in_regs=True)
                     elif cfg.dkv_issue == "dvdp":
-                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret))
+                        wait_turn(first)
+                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret,
+                                       after_issue=pass_turn))
                         plgpu.barrier_wait(do_bar.at[slot])
                         dv, dpT = _mm_acc_then_fresh(pT.astype(dtype), do_s, dv, v_smem, do_s.T,
                                                      (bkv, bq), interpret=interpret, stage=stage)
@@ -1001,7 +1057,9 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         # dP^T - delta come out of the products, so neither vector is live
                         # beside a [bkv, bq] tile (16 registers fewer at the peak).
                         s0 = lax.broadcast_in_dim(lse * (-1.0 / c2), (bkv, bq), [1])
-                        sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), s0, interpret=interpret)
+                        wait_turn(first)
+                        sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), s0, interpret=interpret,
+                                 after_issue=pass_turn)
                         pT = probs(sT, folded=True)
                         plgpu.barrier_wait(do_bar.at[slot])
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
@@ -1010,7 +1068,9 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         dpT = _mm(v_smem, do_s.T, (bkv, bq),
                                   lax.broadcast_in_dim(-dlt, (bkv, bq), [1]), interpret=interpret)
                     else:
-                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret))
+                        wait_turn(first)
+                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret,
+                                       after_issue=pass_turn))
                         plgpu.barrier_wait(do_bar.at[slot])
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
                                  stage=stage, a_in_regs=True)
@@ -1025,8 +1085,10 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         if not stat:
                             dlt = load_dlt()
                         dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
-                    dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
-                             interpret=interpret, stage=stage, a_in_regs=True)
+                    dsT = dsT.astype(dtype)
+                    wait_turn()
+                    dk = _mm(dsT, q_smems.at[slot], (bkv, Dqk), dk, interpret=interpret,
+                             stage=stage, a_in_regs=True, after_issue=pass_turn)
                     sig.free("q", slot)
                     return dk, dv
 
@@ -1034,12 +1096,19 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     slot = lax.rem(g * n_c + c - L, stages)
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(do_bar.at[slot])
+                    if turns:
+                        wait_turn((g == 0) & (c == L))
+                        pass_turn()
+                        wait_turn()
+                        pass_turn()
                     sig.free("do", slot)
                     sig.free("q", slot)
 
                 return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry)
 
             dk, dv = lax.fori_loop(0, G, head, (dk, dv))
+            if turns:   # warpgroup 0 takes warpgroup 1's last turn
+                pl.when((wg == 0) & (n_c > 0))(lambda: sig.turn_wait(0))
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -1106,7 +1175,8 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                 plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
         cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
+                plgpu.Barrier(num_arrivals=1, num_barriers=2) if turns else None)
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
                       collective_axes="wg")
 

@@ -134,7 +134,7 @@ def _schedule_case(seed, seg_seeds, variant):
     dict(fwd_longest_first=False, block_kv=64),
     dict(no_auto_barriers=True, fwd_pipe=False),   # no_auto_barriers: compiled only
     dict(fwd_fma=False),
-    dict(fwd_fma=False, fwd_pipe=False, named_barriers=False),   # named_barriers: compiled only
+    dict(fwd_fma=False, fwd_pipe=False, named_barriers=False),
 ])
 def test_forward_schedules(variant):
     """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
@@ -159,9 +159,10 @@ def test_forward_schedules(variant):
     dict(dq_issue="sdp", dkv_issue="sdp"),
     dict(dkv_issue="dvdp"),
     dict(dkv_fold=False, dq_issue="serial", bwd_longest_first=False, regs_bwd=(232, 40)),
-    dict(named_barriers=False),    # named_barriers: compiled only (mbarriers in interpret mode)
-    dict(dkv_stat_smem=True),
-    dict(dkv_stat_smem=True, dkv_issue="sdp1"),
+    dict(named_barriers=False),
+    dict(dkv_stat_smem=False),
+    dict(dkv_turns=True),
+    dict(dkv_turns=True, dkv_issue="sdp1"),
 ])
 def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
@@ -208,12 +209,13 @@ def test_config_errors():
 
 
 def test_kernel_no_races():
-    """GPU interpret mode with race detection: forward and backward, one small MLA case."""
+    """GPU interpret mode with race detection: forward and backward, one small MLA case, with
+    the kernels' named barriers interpreted (mg.INTERPRET_NAMED_BARRIERS)."""
     if ON_GPU:
         pytest.skip("race detection is a CPU interpret-mode check; compiled cases run above")
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     q, k, v, _ = _inputs(3, 1, 100, 100, 1, 1, 192, 128, jnp.bfloat16)
-    ip = plgpu.InterpretGPUParams(detect_races=True)
+    ip = plgpu.InterpretGPUParams(detect_races=True, inline_mgpu=mg.INTERPRET_NAMED_BARRIERS)
     f = lambda q, k, v: mg.flash_attention_mosaic(q, k, v, causal=True, interpret=ip)[0]
     o = f(q, k, v)
     assert not gpu_callbacks.get_races().races_found
