@@ -78,13 +78,11 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "nab": dict(no_auto_barriers=True),
     "s4": dict(fwd_pipe=False),   # session 4's defaults
     "pipe64": dict(block_kv=64),
-    # session 8: Config.fwd_fma, named_barriers, dkv_stat_smem (on by default since), dkv_turns
+    # session 8: Config.fwd_fma, named_barriers, dkv_stat_smem (on by default since)
     "s7": dict(fwd_fma=False, named_barriers=False, dkv_stat_smem=False),  # session 7's defaults
     "fma": dict(named_barriers=False, dkv_stat_smem=False),
     "nb": dict(fwd_fma=False, dkv_stat_smem=False),
     "fma_nb": dict(dkv_stat_smem=False),
-    "tu": dict(dkv_turns=True),
-    "tu_sdp1": dict(dkv_turns=True, dkv_issue="sdp1"),
 }
 
 

@@ -96,10 +96,6 @@ class Config:
     # dP^T products). H200: backward 128/128 1.69 -> 1.60 ms, MLA B4 2.11 -> 2.07 ms;
     # gradients bitwise unchanged.
     dkv_stat_smem: bool = True
-    # dkv_turns: the dk/dv kernel's two compute warpgroups take turns (FA3's forward ping-pong
-    # applied to the backward): each waits for the other before issuing a step's first product
-    # and before dK, so one warpgroup's exp / dS work runs under the other's products.
-    dkv_turns: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
@@ -258,12 +254,11 @@ def _tile_ranges_jnp(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q,
 # Shared in-kernel helpers.
 # ----------------------------------------------------------------------------------------------
 
-def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False, after_issue=None):
+def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False):
     """wgmma a @ b into a fresh fp32 [shape] accumulator, plus `acc` if given.
 
     `a` may be a register array (a_in_regs; compiled: wgmma's A-from-registers form). GPU
     interpret mode only reads wgmma operands from SMEM, so there `a` is first stored to `stage`.
-    `after_issue()` runs once the product is issued, before the wait.
     """
     if interpret and a_in_regs:
         stage[...] = a
@@ -271,34 +266,28 @@ def _mm(a, b, shape, acc=None, *, interpret, stage=None, a_in_regs=False, after_
     if acc is not None and not interpret:
         def body(acc_ref):
             plgpu.wgmma(acc_ref, a, b)
-            if after_issue is not None:
-                after_issue()
         return pl.run_state(body)(plgpu.ACC.init(acc))
 
     def body(acc_ref):
         plgpu.wgmma(acc_ref, a, b)
-        if after_issue is not None:
-            after_issue()
         return acc_ref[...]
     out = pl.run_scoped(body, plgpu.ACC(shape, jnp.float32))
     return out if acc is None else acc + out
 
 
-def _mm_two(a1, b1, shape1, a2, b2, shape2, *, interpret, between=None, after_issue=None):
+def _mm_two(a1, b1, shape1, a2, b2, shape2, *, interpret, between=None):
     """Two wgmmas from shared memory issued back to back: (a1 @ b1, a2 @ b2) in fresh fp32
     accumulators, one wait for both (one pipeline drain instead of two). With `between`, waits
     for the first product only, returns (between(first), second) and runs `between` while the
-    second product is on the tensor cores. `after_issue()` runs once both are issued."""
+    second product is on the tensor cores."""
     if interpret:
         x1 = _mm(a1, b1, shape1, interpret=interpret)
-        x2 = _mm(a2, b2, shape2, interpret=interpret, after_issue=after_issue)
+        x2 = _mm(a2, b2, shape2, interpret=interpret)
         return (x1 if between is None else between(x1)), x2
 
     def body(r1, r2):
         plgpu.wgmma(r1, a1, b1)
         plgpu.wgmma(r2, a2, b2)
-        if after_issue is not None:
-            after_issue()
         if between is None:
             return r1[...], r2[...]
         y = between(plgpu.wgmma_accumulator_load(r1, wait_n=1))
@@ -934,7 +923,6 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
     c2 = scale * LOG2E
     named = _use_named(cfg, interpret)
     stat = cfg.dkv_stat_smem
-    turns = cfg.dkv_turns
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref,
                kseg_ref, dk_ref, dv_ref, scoped):
@@ -943,8 +931,8 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
         kt = lax.axis_index("kt")
         wg = lax.axis_index("wg")
         (k_smems, v_smems, q_smems, do_smems, stage_smems, lse_smems, dlt_smems), \
-            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons, turn) = scoped
-        sig = _Sync({"q": q_cons, "do": do_cons}, turn, named=named, stages=stages)
+            (q_bar, do_bar, k_bar, v_bar), (q_cons, do_cons) = scoped
+        sig = _Sync({"q": q_cons, "do": do_cons}, None, named=named, stages=stages)
         L = ctab_ref[b, kt, 0]
         H = ctab_ref[b, kt, 1]
         n_c = H - L
@@ -969,25 +957,12 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
             plgpu.barrier_wait(k_bar.at[wg])
             plgpu.barrier_wait(v_bar.at[wg])
 
-            pass_turn = (lambda: sig.turn_pass(wg)) if turns else None
-
-            def wait_turn(first=None):
-                """dkv_turns: before a warpgroup issues the first product of a step, and
-                before dK; warpgroup 0 takes the CTA's first turn unasked."""
-                if not turns:
-                    return
-                if first is None:
-                    sig.turn_wait(wg)
-                else:
-                    pl.when((wg == 1) | jnp.logical_not(first))(lambda: sig.turn_wait(wg))
-
             def head(g, carry):
                 h = kvh * G + g
 
                 def step(c, carry, *, masked):
                     dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
-                    first = ((g == 0) & (c == L)) if turns else None
                     qs = pl.ds(c * bq, bq)
                     # Issued before the Q wait, off the S product's path (measured: no change
                     # on the H200, RESULTS.md v2); dlt stays after dP: loaded earlier it would
@@ -1036,19 +1011,15 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     do_s = do_smems.at[slot]
                     if cfg.dkv_issue in ("sdp", "sdp1"):
                         plgpu.barrier_wait(do_bar.at[slot])
-                        wait_turn(first)
                         pT, dpT = _mm_two(k_smem, q_smems.at[slot].T, (bkv, bq), v_smem, do_s.T,
                                           (bkv, bq), interpret=interpret,
-                                          between=probs if cfg.dkv_issue == "sdp1" else None,
-                                          after_issue=pass_turn)
+                                          between=probs if cfg.dkv_issue == "sdp1" else None)
                         if cfg.dkv_issue == "sdp":
                             pT = probs(pT)
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
                                  stage=stage, a_in_regs=True)
                     elif cfg.dkv_issue == "dvdp":
-                        wait_turn(first)
-                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret,
-                                       after_issue=pass_turn))
+                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret))
                         plgpu.barrier_wait(do_bar.at[slot])
                         dv, dpT = _mm_acc_then_fresh(pT.astype(dtype), do_s, dv, v_smem, do_s.T,
                                                      (bkv, bq), interpret=interpret, stage=stage)
@@ -1057,9 +1028,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         # dP^T - delta come out of the products, so neither vector is live
                         # beside a [bkv, bq] tile (16 registers fewer at the peak).
                         s0 = lax.broadcast_in_dim(lse * (-1.0 / c2), (bkv, bq), [1])
-                        wait_turn(first)
-                        sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), s0, interpret=interpret,
-                                 after_issue=pass_turn)
+                        sT = _mm(k_smem, q_smems.at[slot].T, (bkv, bq), s0, interpret=interpret)
                         pT = probs(sT, folded=True)
                         plgpu.barrier_wait(do_bar.at[slot])
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
@@ -1068,9 +1037,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         dpT = _mm(v_smem, do_s.T, (bkv, bq),
                                   lax.broadcast_in_dim(-dlt, (bkv, bq), [1]), interpret=interpret)
                     else:
-                        wait_turn(first)
-                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret,
-                                       after_issue=pass_turn))
+                        pT = probs(_mm(k_smem, q_smems.at[slot].T, (bkv, bq), interpret=interpret))
                         plgpu.barrier_wait(do_bar.at[slot])
                         dv = _mm(pT.astype(dtype), do_s, (bkv, Dv), dv, interpret=interpret,
                                  stage=stage, a_in_regs=True)
@@ -1085,10 +1052,8 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                         if not stat:
                             dlt = load_dlt()
                         dsT = pT * (dpT - lax.broadcast_in_dim(dlt, dpT.shape, [1]))
-                    dsT = dsT.astype(dtype)
-                    wait_turn()
-                    dk = _mm(dsT, q_smems.at[slot], (bkv, Dqk), dk, interpret=interpret,
-                             stage=stage, a_in_regs=True, after_issue=pass_turn)
+                    dk = _mm(dsT.astype(dtype), q_smems.at[slot], (bkv, Dqk), dk,
+                             interpret=interpret, stage=stage, a_in_regs=True)
                     sig.free("q", slot)
                     return dk, dv
 
@@ -1096,19 +1061,12 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     slot = lax.rem(g * n_c + c - L, stages)
                     plgpu.barrier_wait(q_bar.at[slot])
                     plgpu.barrier_wait(do_bar.at[slot])
-                    if turns:
-                        wait_turn((g == 0) & (c == L))
-                        pass_turn()
-                        wait_turn()
-                        pass_turn()
                     sig.free("do", slot)
                     sig.free("q", slot)
 
                 return _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry)
 
             dk, dv = lax.fori_loop(0, G, head, (dk, dv))
-            if turns:   # warpgroup 0 takes warpgroup 1's last turn
-                pl.when((wg == 0) & (n_c > 0))(lambda: sig.turn_wait(0))
             k_smem[...] = (dk * scale).astype(dtype)
             v_smem[...] = dv.astype(dtype)
             plgpu.commit_smem()
@@ -1175,8 +1133,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                 plgpu.Barrier(num_arrivals=per_slot, num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
         cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=1, num_barriers=2) if turns else None)
+                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
                       collective_axes="wg")
 
