@@ -106,7 +106,7 @@ def _interpret():
     if jax.devices()[0].platform == "gpu":
         return None
     from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.InterpretGPUParams()
+    return plgpu.InterpretGPUParams(inline_mgpu=mosaic_gpu.INTERPRET_NAMED_BARRIERS)
 
 
 def ours_fused(q, k, v, causal, return_lse=False):

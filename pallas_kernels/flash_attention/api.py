@@ -67,7 +67,8 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
     interpret = None
     if jax.devices()[0].platform != "gpu":
         from jax.experimental.pallas import mosaic_gpu as plgpu
-        interpret = plgpu.InterpretGPUParams()
+        # the kernels' named barriers run in interpret mode too (as compiled)
+        interpret = plgpu.InterpretGPUParams(inline_mgpu=mosaic_gpu.INTERPRET_NAMED_BARRIERS)
     elif not on_hopper():
         raise ValueError("impl='pallas': the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
     o, lse = mosaic_gpu.flash_attention_mosaic(q, k, v, causal=causal, scale=scale, segments=segs,

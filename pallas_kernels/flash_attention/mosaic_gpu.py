@@ -127,6 +127,8 @@ def smem_bytes(Dqk, Dv, cfg: Config):
     fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
     dq = (2 * cfg.block_q + cfg.stages_bwd * cfg.block_kv_dq) * (Dqk + Dv) * 2
     dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
+    if cfg.dkv_stat_smem:    # fp32 lse and delta rows per stage
+        dkv += cfg.stages_bwd * cfg.block_q_dkv * 2 * 4
     return fwd, dq, dkv
 
 
@@ -964,9 +966,9 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
                     qs = pl.ds(c * bq, bq)
-                    # Issued before the Q wait, off the S product's path (measured: no change
-                    # on the H200, RESULTS.md v2); dlt stays after dP: loaded earlier it would
-                    # raise the register peak.
+                    # Without dkv_stat_smem: lse issued before the Q wait, off the S product's
+                    # path (measured: no change on the H200, RESULTS.md v2); dlt stays after
+                    # dP: loaded earlier it would raise the register peak.
                     if not stat:
                         lse = plgpu.load(lse_ref.at[b, h, qs], layout=_COL, optimized=False)
                     if masked and has_seg:
@@ -1290,7 +1292,9 @@ def flash_attention_mosaic(q, k, v, *, causal=True, scale=None, segments=None, q
         64 up to 256, N % K == 0.
       segments: None or (q_seg [B, T], kv_seg [B, S]) int.
       q_offset, kv_offset: int or int32 scalar (may be traced).
-      interpret: None (compile for the GPU) or `plgpu.InterpretGPUParams` (CPU simulation).
+      interpret: None (compile for the GPU) or `plgpu.InterpretGPUParams` (CPU simulation;
+        with `inline_mgpu=INTERPRET_NAMED_BARRIERS` the named barriers are simulated too, else
+        the kernels use mbarriers there).
 
     Returns:
       (o [B, T, N, Dv] in q.dtype, lse [B, N, T] fp32 natural log, -inf on fully masked rows).

@@ -69,6 +69,12 @@ def test_errors():
 
 # ------------------------------------------------------------------ Mosaic GPU kernels
 
+def _interpret(**kw):
+    """GPU interpret mode as `flash_attention` uses it off the GPU: the kernels' named barriers
+    interpreted too (Config.named_barriers=False cases run the mbarrier path)."""
+    return plgpu.InterpretGPUParams(inline_mgpu=mg.INTERPRET_NAMED_BARRIERS, **kw)
+
+
 CASES = {
     # name: (B, T, S, N, K, Dqk, Dv, dtype, causal, segments, q_offset, kv_offset)
     "mla_causal_ragged_gqa": (1, 200, 200, 2, 1, 192, 128, jnp.bfloat16, True, None, 0, 0),
@@ -124,7 +130,7 @@ def _schedule_case(seed, seg_seeds, variant):
     segs = (_docs(B, T, 2, seg_seeds[0]), _docs(B, S, 2, seg_seeds[1]))
     cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
     kw = dict(causal=True, segments=segs, kv_offset=40)
-    ip = None if ON_GPU else plgpu.InterpretGPUParams()
+    ip = None if ON_GPU else _interpret()
     return q, k, v, do, segs, cfg, kw, ip
 
 
@@ -139,8 +145,9 @@ def _schedule_case(seed, seg_seeds, variant):
 def test_forward_schedules(variant):
     """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
     order; fwd_pipe=False: the key loop of sessions 1-4 that waits for each product; smaller
-    key steps; the defaults run in every case above) on a case with skip steps, masked rows
-    and GQA: causal with kv_offset 40 (the first 40 rows see no key) and packed segments."""
+    key steps; fwd_fma=False: S scaled before the softmax; named_barriers=False: mbarriers; the
+    defaults run in every case above) on a case with skip steps, masked rows and GQA: causal
+    with kv_offset 40 (the first 40 rows see no key) and packed segments."""
     q, k, v, _, segs, cfg, kw, ip = _schedule_case(7, (4, 5), variant)
     o, lse = mg.flash_attention_mosaic(q, k, v, cfg=cfg, interpret=ip, **kw)
     no, nlse = attention_naive(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True,
@@ -164,8 +171,9 @@ def test_forward_schedules(variant):
 ])
 def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
-    bwd_longest_first, regs_bwd; the defaults run in every case above) give the oracle's dq, dk, dv on a case with
-    skip steps, masked rows, GQA and packed segments."""
+    bwd_longest_first, regs_bwd, named_barriers, dkv_stat_smem; the defaults run in every case
+    above) give the oracle's dq, dk, dv on a case with skip steps, masked rows, GQA and packed
+    segments."""
     q, k, v, do, segs, cfg, kw, ip = _schedule_case(11, (6, 7), variant)
     loss = lambda o: (o.astype(jnp.float32) * do).sum()
     g = jax.grad(lambda *a: loss(mg.flash_attention_mosaic(*a, cfg=cfg, interpret=ip, **kw)[0]),
@@ -182,7 +190,7 @@ def test_traced_offsets_match_static():
     traced offsets (as ring attention passes them) build the same tables in XLA. Both give the
     same o, lse and gradients, bit for bit, on a case with fully masked rows (kv_offset 70)."""
     q, k, v, do = _inputs(5, 1, 128, 256, 2, 1, 192, 128, jnp.bfloat16)
-    ip = None if ON_GPU else plgpu.InterpretGPUParams()
+    ip = None if ON_GPU else _interpret()
 
     def run(q, k, v, q_off, kv_off):
         def f(q, k, v):
@@ -204,6 +212,9 @@ def test_config_errors():
         mg.Config(dq_issue="dvdp")
     with pytest.raises(ValueError, match="regs_bwd"):
         mg.Config(regs_bwd=(248, 24))
+    with pytest.raises(ValueError, match="named_barriers"):     # 2 x 6 slots + 2 turns > 12
+        mg.Config(stages=6)
+    mg.Config(stages=6, named_barriers=False)
 
 
 def test_kernel_no_races():
@@ -213,7 +224,7 @@ def test_kernel_no_races():
         pytest.skip("race detection is a CPU interpret-mode check; compiled cases run above")
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     q, k, v, _ = _inputs(3, 1, 100, 100, 1, 1, 192, 128, jnp.bfloat16)
-    ip = plgpu.InterpretGPUParams(detect_races=True, inline_mgpu=mg.INTERPRET_NAMED_BARRIERS)
+    ip = _interpret(detect_races=True)
     f = lambda q, k, v: mg.flash_attention_mosaic(q, k, v, causal=True, interpret=ip)[0]
     o = f(q, k, v)
     assert not gpu_callbacks.get_races().races_found
