@@ -96,18 +96,13 @@ class Config:
     # dP^T products). H200: backward 128/128 1.69 -> 1.60 ms, MLA B4 2.11 -> 2.07 ms;
     # gradients bitwise unchanged.
     dkv_stat_smem: bool = True
-    # dq_pipe (experiment): the dq kernel's key loop software-pipelined like the forward's:
-    # step j issues dQ += dS_{j-1} K_{j-1} (dS from registers) and then S_j and dP_j, and
-    # waits once; K_j is read in steps j and j + 1, so K gets stages_bwd + 1 slots.
-    dq_pipe: bool = False
 
     def __post_init__(self):
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r}: expected one of "
                                  f"{allowed}")
-        if self.named_barriers and max(2 * self.stages + 2, 2 * self.stages_bwd + self.dq_pipe) \
-                > 16 - _NAMED_BAR0:
+        if self.named_barriers and 2 * max(self.stages, self.stages_bwd) + 2 > 16 - _NAMED_BAR0:
             raise ValueError(f"Config.named_barriers: stages={self.stages}, stages_bwd="
                              f"{self.stages_bwd} need more than the {16 - _NAMED_BAR0} free "
                              "hardware barriers")
@@ -131,8 +126,6 @@ def smem_bytes(Dqk, Dv, cfg: Config):
     qo = Dqk if Dv <= Dqk else Dqk + Dv      # O reuses Q's buffer when it fits
     fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
     dq = (2 * cfg.block_q + cfg.stages_bwd * cfg.block_kv_dq) * (Dqk + Dv) * 2
-    if cfg.dq_pipe:          # one more K slot
-        dq += cfg.block_kv_dq * Dqk * 2
     dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
     if cfg.dkv_stat_smem:    # fp32 lse and delta rows per stage
         dkv += cfg.stages_bwd * cfg.block_q_dkv * 2 * 4
@@ -325,25 +318,6 @@ def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage, after_
     return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(zero)))
 
 
-def _mm_acc_then_two(a1, b1, acc1, a2, b2, a3, b3, shape, *, interpret, stage):
-    """(acc1 + a1 @ b1, a2 @ b2, a3 @ b3): a1 from registers, issued first (so no register
-    operand is fenced while a product is in flight), then two products from shared memory into
-    fresh fp32 [shape] accumulators; one wait for all three."""
-    if interpret:
-        x1 = _mm(a1, b1, acc1.shape, acc1, interpret=interpret, stage=stage, a_in_regs=True)
-        return x1, _mm(a2, b2, shape, interpret=interpret), _mm(a3, b3, shape,
-                                                                 interpret=interpret)
-
-    def body(refs):
-        r1, r2, r3 = refs
-        plgpu.wgmma(r1, a1, b1)
-        plgpu.wgmma(r2, a2, b2)
-        plgpu.wgmma(r3, a3, b3)
-    zero = plgpu.layout_cast(jnp.zeros(shape, jnp.float32), _WGMMA)
-    return pl.run_state(body)((plgpu.ACC.init(acc1), plgpu.ACC.init(zero),
-                               plgpu.ACC.init(zero)))
-
-
 def _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, carry):
     """Run skip over [L, lo), step(masked=True) over [lo, mlo), step(masked=False) over
     [mlo, mhi), step(masked=True) over [mhi, hi) and skip over [hi, H)."""
@@ -410,15 +384,11 @@ class _Sync:
     protocol here lets a side arrive again only after the other side has waited."""
 
     def __init__(self, cons, turn, *, named, stages):
-        """stages: slots per kind (an int for all, or a dict kind -> int)."""
-        self.cons, self.turn, self.named = cons, turn, named
+        self.cons, self.turn, self.named, self.stages = cons, turn, named, stages
         self.kinds = list(cons)
-        self.stages = stages if isinstance(stages, dict) else dict.fromkeys(self.kinds, stages)
-        self.n_cons = sum(self.stages.values())
 
     def _id(self, kind, slot):
-        i = self.kinds.index(kind)
-        return _NAMED_BAR0 + sum(self.stages[k] for k in self.kinds[:i]) + slot
+        return _NAMED_BAR0 + self.kinds.index(kind) * self.stages + slot
 
     def free(self, kind, slot):
         """Compute warpgroup: done reading `kind`'s shared-memory slot."""
@@ -436,13 +406,13 @@ class _Sync:
 
     def turn_wait(self, wg):
         if self.named:
-            _named_bar("sync", _NAMED_BAR0 + self.n_cons + wg, 2 * 128)
+            _named_bar("sync", _NAMED_BAR0 + len(self.kinds) * self.stages + wg, 2 * 128)
         else:
             plgpu.barrier_wait(self.turn.at[wg])
 
     def turn_pass(self, wg):
         if self.named:
-            _named_bar("arrive", _NAMED_BAR0 + self.n_cons + 1 - wg, 2 * 128)
+            _named_bar("arrive", _NAMED_BAR0 + len(self.kinds) * self.stages + 1 - wg, 2 * 128)
         else:
             plgpu.barrier_arrive(self.turn.at[1 - wg])
 
@@ -782,8 +752,6 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
     own_dlt = o is not None
     has_dlse = dlse is not None
     named = _use_named(cfg, interpret)
-    pipe = cfg.dq_pipe
-    sk = stages + 1 if pipe else stages     # K slots (dq_pipe: K_j is read in steps j, j + 1)
 
     def kernel(q_ref, k_ref, v_ref, do_ref, lse_ref, dlt_or_o_ref, wgb_ref, ctab_ref, dl_ref,
                qseg_ref, kseg_ref, *rest):
@@ -798,14 +766,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
         wg = lax.axis_index("wg")
         (q_smems, do_smems, k_smems, v_smems, stage_smems, o_smems, dlt_smems), \
             (k_bar, v_bar, q_bar, do_bar, o_bar), (k_cons, v_cons) = scoped
-        sig = _Sync({"k": k_cons, "v": v_cons}, None, named=named,
-                    stages={"k": sk, "v": stages})
-
-        def kslot(ki):
-            return lax.rem(ki - L, sk)
-
-        def vslot(ki):
-            return lax.rem(ki - L, stages)
+        sig = _Sync({"k": k_cons, "v": v_cons}, None, named=named, stages=stages)
         L = ctab_ref[b, qt, 0]
         H = ctab_ref[b, qt, 1]
 
@@ -844,27 +805,23 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
             if not own_dlt:
                 plgpu.barrier_wait(do_bar.at[wg])
 
-            def probs_at(s, ki, masked):
-                """P of key block ki from its scores s [bq, bkv] (element mask if masked)."""
-                p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
-                if masked:
-                    kv_pos = ki * bkv + _iota((bq, bkv), 1)
-                    ok = kv_pos < S
-                    if causal:
-                        ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
-                    if has_seg:
-                        kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)],
-                                          layout=_COL, optimized=False)
-                        ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
-                                   == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
-                    p = jnp.where(ok, p, 0.0)
-                return p
-
             def step(ki, dq, *, masked):
                 slot = lax.rem(ki - L, stages)
 
                 def probs(s):
-                    return probs_at(s, ki, masked)
+                    p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
+                    if masked:
+                        kv_pos = ki * bkv + _iota((bq, bkv), 1)
+                        ok = kv_pos < S
+                        if causal:
+                            ok = ok & (kv_pos <= q_base + _iota((bq, bkv), 0) + dl)
+                        if has_seg:
+                            kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)],
+                                              layout=_COL, optimized=False)
+                            ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
+                                       == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
+                        p = jnp.where(ok, p, 0.0)
+                    return p
 
                 plgpu.barrier_wait(k_bar.at[slot])
                 if cfg.dq_issue in ("sdp", "sdp1"):
@@ -892,56 +849,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
                 sig.free("v", slot)
                 sig.free("k", slot)
 
-            def dsq(p, dp):   # dS in the inputs' dtype, the A operand of dQ += dS K
-                return (p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))).astype(dtype)
-
-            def p_skip(ki, c):
-                plgpu.barrier_wait(k_bar.at[kslot(ki)])
-                plgpu.barrier_wait(v_bar.at[vslot(ki)])
-                sig.free("v", vslot(ki))
-                sig.free("k", kslot(ki))
-                return c
-
-            def p_first(ki, c):   # block lo: S and dP (element-masked: one block per tile)
-                plgpu.barrier_wait(k_bar.at[kslot(ki)])
-                plgpu.barrier_wait(v_bar.at[vslot(ki)])
-                p, dp = _mm_two(q_smem, k_smems.at[kslot(ki)].T, (bq, bkv), do_smem,
-                                v_smems.at[vslot(ki)].T, (bq, bkv), interpret=interpret,
-                                between=lambda s: probs_at(s, ki, True))
-                sig.free("v", vslot(ki))
-                return c[0], dsq(p, dp)
-
-            def p_step(ki, c, *, masked):   # dQ of block ki - 1, S and dP of block ki
-                dq, ds_prev = c
-                kp, kj, vj = kslot(ki - 1), kslot(ki), vslot(ki)
-                plgpu.barrier_wait(k_bar.at[kj])
-                plgpu.barrier_wait(v_bar.at[vj])
-                dq, s_, dp = _mm_acc_then_two(ds_prev, k_smems.at[kp], dq, q_smem,
-                                              k_smems.at[kj].T, do_smem, v_smems.at[vj].T,
-                                              (bq, bkv), interpret=interpret, stage=stage)
-                sig.free("k", kp)
-                sig.free("v", vj)
-                return dq, dsq(probs_at(s_, ki, masked), dp)
-
-            def p_last(ki, c):    # dQ of block hi - 1
-                dq = _mm(c[1], k_smems.at[kslot(ki)], (bq, Dqk), c[0], interpret=interpret,
-                         stage=stage, a_in_regs=True)
-                sig.free("k", kslot(ki))
-                return dq, c[1]
-
-            if pipe:
-                c = (dq, plgpu.layout_cast(jnp.zeros((bq, bkv), dtype), _WGMMA))
-                c = lax.fori_loop(L, lo, p_skip, c)
-                s1 = jnp.minimum(lo + 1, hi)          # [lo, s1): 0 or 1 block
-                c = lax.fori_loop(lo, s1, p_first, c)
-                c = lax.fori_loop(s1, jnp.maximum(mlo, s1), functools.partial(p_step, masked=True), c)
-                c = lax.fori_loop(jnp.maximum(mlo, s1), jnp.maximum(mhi, s1),
-                                  functools.partial(p_step, masked=False), c)
-                c = lax.fori_loop(jnp.maximum(mhi, s1), hi, functools.partial(p_step, masked=True), c)
-                c = lax.fori_loop(jnp.maximum(hi - 1, lo), hi, p_last, c)
-                dq = lax.fori_loop(hi, H, p_skip, c)[0]
-            else:
-                dq = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, dq)
+            dq = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip, dq)
             q_smem[...] = (dq * scale).astype(dtype)
             plgpu.commit_smem()
             plgpu.copy_smem_to_gmem(q_smem, dq_ref.at[b, qs, h])
@@ -956,40 +864,6 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
                 ks = pl.ds(ki * bkv, bkv)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
                 plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
-
-            def load_k(ki):
-                plgpu.copy_gmem_to_smem(k_ref.at[b, pl.ds(ki * bkv, bkv), kvh],
-                                        k_smems.at[kslot(ki)], k_bar.at[kslot(ki)])
-
-            def load_v(ki):
-                plgpu.copy_gmem_to_smem(v_ref.at[b, pl.ds(ki * bkv, bkv), kvh],
-                                        v_smems.at[vslot(ki)], v_bar.at[vslot(ki)])
-
-            if pipe:    # K: sk slots, V: stages slots
-                for i in range(sk):
-                    @pl.when(L + i < H)
-                    def _():
-                        load_k(L + i)
-                        if i < stages:
-                            load_v(L + i)
-
-                @pl.loop(L + stages, H)
-                def _(ki):
-                    @pl.when(ki >= L + sk)
-                    def _():
-                        sig.wait_free("k", kslot(ki))
-                        load_k(ki)
-                    sig.wait_free("v", vslot(ki))
-                    load_v(ki)
-
-                @pl.loop(jnp.maximum(H - sk, L), H)
-                def _(ki):
-                    sig.wait_free("k", kslot(ki))
-
-                @pl.loop(jnp.maximum(H - stages, L), H)
-                def _(ki):
-                    sig.wait_free("v", vslot(ki))
-                return
 
             for i in range(stages):
                 @pl.when(L + i < H)
@@ -1016,12 +890,12 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
         o_smems = _tiled((2, bq, Dv), dtype) if own_dlt else None
         dlt_smems = plgpu.SMEM((2, bq), jnp.float32) if own_dlt else None
         smems = (_tiled((2, bq, Dqk), dtype), _tiled((2, bq, Dv), dtype),
-                 _tiled((sk, bkv, Dqk), dtype), _tiled((stages, bkv, Dv), dtype), stage,
+                 _tiled((stages, bkv, Dqk), dtype), _tiled((stages, bkv, Dv), dtype), stage,
                  o_smems, dlt_smems)
-        bars = (plgpu.Barrier(num_barriers=sk), plgpu.Barrier(num_barriers=stages),
+        bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_barriers=2) if own_dlt else None)
-        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=sk),
+        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages))
         pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
                       collective_axes="wg")

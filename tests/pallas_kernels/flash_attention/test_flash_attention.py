@@ -168,7 +168,6 @@ def test_forward_schedules(variant):
     dict(dkv_fold=False, dq_issue="serial", bwd_longest_first=False, regs_bwd=(232, 40)),
     dict(named_barriers=False),
     dict(dkv_stat_smem=False),
-    dict(dq_pipe=True),
 ])
 def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
