@@ -105,8 +105,7 @@ def _interpret():
     """None on a GPU (compile the kernels); GPU interpret mode elsewhere (--tiny on CPU)."""
     if jax.devices()[0].platform == "gpu":
         return None
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-    return plgpu.InterpretGPUParams(inline_mgpu=mosaic_gpu.INTERPRET_NAMED_BARRIERS)
+    return mosaic_gpu.interpret_params()
 
 
 def ours_fused(q, k, v, causal, return_lse=False):

@@ -66,9 +66,7 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
     segs = None if segs[0] is None else segs
     interpret = None
     if jax.devices()[0].platform != "gpu":
-        from jax.experimental.pallas import mosaic_gpu as plgpu
-        # the kernels' named barriers run in interpret mode too (as compiled)
-        interpret = plgpu.InterpretGPUParams(inline_mgpu=mosaic_gpu.INTERPRET_NAMED_BARRIERS)
+        interpret = mosaic_gpu.interpret_params()
     elif not on_hopper():
         raise ValueError("impl='pallas': the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
     o, lse = mosaic_gpu.flash_attention_mosaic(q, k, v, causal=causal, scale=scale, segments=segs,

@@ -87,7 +87,7 @@ class Config:
     # barriers (bar.arrive / bar.sync, as tokamax's kernels use) instead of mbarriers; the
     # TMA completion barriers stay mbarriers. H200: MLA B4 backward 2.14 -> 2.05 ms, 128/128
     # flat. GPU interpret mode keeps mbarriers unless its params set
-    # inline_mgpu=INTERPRET_NAMED_BARRIERS (the race-detection test does).
+    # inline_mgpu=INTERPRET_NAMED_BARRIERS (`interpret_params()`, which the tests use).
     fwd_fma: bool = True
     named_barriers: bool = True
     # dkv_stat_smem: the dk/dv kernel's memory warpgroup TMA-loads each query block's lse and
@@ -370,6 +370,12 @@ def _named_bar(operation, barrier_id, num_threads):
 INTERPRET_NAMED_BARRIERS = "_hack_model_inline_mgpu_tokamax"
 
 
+def interpret_params(**kw):
+    """`plgpu.InterpretGPUParams(**kw)` for these kernels' GPU interpret mode, with the named
+    barriers simulated too (as compiled)."""
+    return plgpu.InterpretGPUParams(inline_mgpu=INTERPRET_NAMED_BARRIERS, **kw)
+
+
 def _use_named(cfg, interpret):
     """Config.named_barriers, unless in GPU interpret mode without INTERPRET_NAMED_BARRIERS."""
     return cfg.named_barriers and (
@@ -440,7 +446,7 @@ def _online_softmax(s2, acc, m_i, l_i, dtype, c2=None):
     return acc, m_new, l_i, p.astype(dtype)
 
 
-def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, sync,
+def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, sig,
                      mask, c2, fma, stages, shapes, dtype, stage, interpret):
     """Forward key loop of one compute warpgroup, software-pipelined (Config.fwd_pipe).
 
@@ -460,10 +466,10 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
     def turn_wait(j):
         @pl.when((wg == 1) | (j != L))
         def _():
-            sync.turn_wait(wg)
+            sig.turn_wait(wg)
 
     def turn_arrive():
-        sync.turn_pass(wg)
+        sig.turn_pass(wg)
 
     def slot(j):
         return lax.rem(j - L, stages)
@@ -477,9 +483,9 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
 
     def skip(j, c):
         plgpu.barrier_wait(k_bar.at[slot(j)])
-        sync.free("k", slot(j))
+        sig.free("k", slot(j))
         plgpu.barrier_wait(v_bar.at[slot(j)])
-        sync.free("v", slot(j))
+        sig.free("v", slot(j))
         turn_wait(j)
         turn_arrive()
         return c
@@ -494,7 +500,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
             turn_arrive()
             return s_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
-        sync.free("k", slot(j))
+        sig.free("k", slot(j))
         return softmax(s, j, acc, m_i, l_i, True)
 
     def step(j, c, *, masked):
@@ -506,8 +512,8 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         acc, s = _mm_acc_then_fresh(p16, v_smems.at[sp], acc, q_smem, k_smems.at[sj].T,
                                     (bq, bkv), interpret=interpret, stage=stage,
                                     after_issue=turn_arrive)
-        sync.free("v", sp)
-        sync.free("k", sj)
+        sig.free("v", sp)
+        sig.free("k", sj)
         return softmax(s, j, acc, m_i, l_i, masked)
 
     def last(j, c):           # the P V product of block hi - 1
@@ -515,7 +521,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         plgpu.barrier_wait(v_bar.at[slot(j)])
         acc = _mm(p16, v_smems.at[slot(j)], acc_shape, acc, interpret=interpret, stage=stage,
                   a_in_regs=True)
-        sync.free("v", slot(j))
+        sig.free("v", slot(j))
         return acc, m_i, l_i, p16
 
     p0 = plgpu.layout_cast(jnp.zeros((bq, bkv), dtype), _WGMMA)
@@ -532,7 +538,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
 
     @pl.when((wg == 0) & (H > L))
     def _():
-        sync.turn_wait(0)
+        sig.turn_wait(0)
     return c[:3]
 
 
@@ -645,7 +651,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                 acc, m_i, l_i = _pipelined_loops(
                     L=L, lo=lo, mlo=mlo, mhi=mhi, hi=hi, H=H, wg=wg, carry=(acc, m_i, l_i),
                     q_smem=q_smem, k_smems=k_smems, v_smems=v_smems, bars=(k_bar, v_bar),
-                    sync=sig, mask=mask, c2=c2, fma=cfg.fwd_fma, stages=stages,
+                    sig=sig, mask=mask, c2=c2, fma=cfg.fwd_fma, stages=stages,
                     shapes=((bq, bkv), (bq, Dv)), dtype=dtype, stage=stage,
                     interpret=interpret)
             else:
@@ -1293,8 +1299,7 @@ def flash_attention_mosaic(q, k, v, *, causal=True, scale=None, segments=None, q
       segments: None or (q_seg [B, T], kv_seg [B, S]) int.
       q_offset, kv_offset: int or int32 scalar (may be traced).
       interpret: None (compile for the GPU) or `plgpu.InterpretGPUParams` (CPU simulation;
-        with `inline_mgpu=INTERPRET_NAMED_BARRIERS` the named barriers are simulated too, else
-        the kernels use mbarriers there).
+        `interpret_params()` simulates the named barriers too, other params keep mbarriers).
 
     Returns:
       (o [B, T, N, Dv] in q.dtype, lse [B, N, T] fp32 natural log, -inf on fully masked rows).

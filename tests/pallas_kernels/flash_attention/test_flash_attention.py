@@ -10,7 +10,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention import mosaic_gpu as mg
@@ -69,11 +68,6 @@ def test_errors():
 
 # ------------------------------------------------------------------ Mosaic GPU kernels
 
-def _interpret(**kw):
-    """GPU interpret mode as `flash_attention` uses it off the GPU: the kernels' named barriers
-    interpreted too (Config.named_barriers=False cases run the mbarrier path)."""
-    return plgpu.InterpretGPUParams(inline_mgpu=mg.INTERPRET_NAMED_BARRIERS, **kw)
-
 
 CASES = {
     # name: (B, T, S, N, K, Dqk, Dv, dtype, causal, segments, q_offset, kv_offset)
@@ -130,7 +124,7 @@ def _schedule_case(seed, seg_seeds, variant):
     segs = (_docs(B, T, 2, seg_seeds[0]), _docs(B, S, 2, seg_seeds[1]))
     cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
     kw = dict(causal=True, segments=segs, kv_offset=40)
-    ip = None if ON_GPU else _interpret()
+    ip = None if ON_GPU else mg.interpret_params()
     return q, k, v, do, segs, cfg, kw, ip
 
 
@@ -190,7 +184,7 @@ def test_traced_offsets_match_static():
     traced offsets (as ring attention passes them) build the same tables in XLA. Both give the
     same o, lse and gradients, bit for bit, on a case with fully masked rows (kv_offset 70)."""
     q, k, v, do = _inputs(5, 1, 128, 256, 2, 1, 192, 128, jnp.bfloat16)
-    ip = None if ON_GPU else _interpret()
+    ip = None if ON_GPU else mg.interpret_params()
 
     def run(q, k, v, q_off, kv_off):
         def f(q, k, v):
@@ -219,12 +213,13 @@ def test_config_errors():
 
 def test_kernel_no_races():
     """GPU interpret mode with race detection: forward and backward, one small MLA case, with
-    the kernels' named barriers interpreted (mg.INTERPRET_NAMED_BARRIERS)."""
+    the kernels' named barriers interpreted (mg.interpret_params; Config.named_barriers=False
+    schedule cases run the mbarrier path)."""
     if ON_GPU:
         pytest.skip("race detection is a CPU interpret-mode check; compiled cases run above")
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     q, k, v, _ = _inputs(3, 1, 100, 100, 1, 1, 192, 128, jnp.bfloat16)
-    ip = _interpret(detect_races=True)
+    ip = mg.interpret_params(detect_races=True)
     f = lambda q, k, v: mg.flash_attention_mosaic(q, k, v, causal=True, interpret=ip)[0]
     o = f(q, k, v)
     assert not gpu_callbacks.get_races().races_found
