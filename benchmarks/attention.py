@@ -83,8 +83,6 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "fma": dict(named_barriers=False, dkv_stat_smem=False),
     "nb": dict(fwd_fma=False, dkv_stat_smem=False),
     "fma_nb": dict(dkv_stat_smem=False),
-    # session 9: Config.fwd_persistent
-    "pers": dict(fwd_persistent=True),
 }
 
 

@@ -96,17 +96,8 @@ class Config:
     # dP^T products). H200: backward 128/128 1.69 -> 1.60 ms, MLA B4 2.11 -> 2.07 ms;
     # gradients bitwise unchanged.
     dkv_stat_smem: bool = True
-    # Session 9. fwd_persistent: the forward runs one CTA per SM (`persistent_ctas`), each
-    # looping over a static list of query tiles (greedy longest-first, as the hardware would
-    # hand them out). Its memory warpgroup streams K/V across tile boundaries without
-    # draining the ring, each compute warpgroup TMA-loads its next tile's Q as soon as its
-    # last Q K^T product is done, and O and lse go from registers straight to global memory
-    # (no shared-memory staging, so Q's buffer is free early).
-    fwd_persistent: bool = False
 
     def __post_init__(self):
-        if self.fwd_persistent and not self.fwd_pipe:
-            raise ValueError("Config.fwd_persistent=True needs Config.fwd_pipe=True")
         for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r}: expected one of "
@@ -133,8 +124,6 @@ SMEM_BYTES = 220 * 1024    # of the H100/H200's 227 KiB per block, leaving room 
 def smem_bytes(Dqk, Dv, cfg: Config):
     """Shared memory (bytes, 2-byte inputs) of the forward, dq and dkv kernels."""
     qo = Dqk if Dv <= Dqk else Dqk + Dv      # O reuses Q's buffer when it fits
-    if cfg.fwd_persistent:                    # O is stored from registers
-        qo = Dqk
     fwd = 2 * cfg.block_q * qo * 2 + cfg.stages * cfg.block_kv * (Dqk + Dv) * 2
     dq = (2 * cfg.block_q + cfg.stages_bwd * cfg.block_kv_dq) * (Dqk + Dv) * 2
     dkv = (2 * cfg.block_kv_dkv + cfg.stages_bwd * cfg.block_q_dkv) * (Dqk + Dv) * 2
@@ -458,8 +447,7 @@ def _online_softmax(s2, acc, m_i, l_i, dtype, c2=None):
 
 
 def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, sig,
-                     mask, c2, fma, stages, shapes, dtype, stage, interpret, g0=0,
-                     after_last_s=None):
+                     mask, c2, fma, stages, shapes, dtype, stage, interpret):
     """Forward key loop of one compute warpgroup, software-pipelined (Config.fwd_pipe).
 
     Key blocks [L, H) are the CTA's; this warpgroup computes [lo, hi) (element masks outside
@@ -469,10 +457,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
     after the loop. Turns: warpgroup w waits on turn[w] before issuing a block's products and
     arrives on turn[1 - w] after, so the two warpgroups' products alternate while the other
     runs its softmax (warpgroup 0 takes the first turn unasked and consumes the last arrival
-    at the end). Block j uses ring slot (g0 + j - L) % stages (g0: blocks the CTA streamed
-    before this tile, Config.fwd_persistent). `after_last_s()` runs once this warpgroup's last
-    Q K^T product is complete (Q's buffer is free), before its last P V product. Returns
-    (acc [bq, Dv] fp32 unnormalised, m2 [bq], l [bq]).
+    at the end). Returns (acc [bq, Dv] fp32 unnormalised, m2 [bq], l [bq]).
     """
     k_bar, v_bar = bars
     (bq, bkv), acc_shape = shapes
@@ -487,7 +472,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         sig.turn_pass(wg)
 
     def slot(j):
-        return lax.rem(j - L if isinstance(g0, int) and g0 == 0 else g0 + j - L, stages)
+        return lax.rem(j - L, stages)
 
     def softmax(s, j, acc, m_i, l_i, masked):
         if not fma:
@@ -533,8 +518,6 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
 
     def last(j, c):           # the P V product of block hi - 1
         acc, m_i, l_i, p16 = c
-        if after_last_s is not None:
-            after_last_s()
         plgpu.barrier_wait(v_bar.at[slot(j)])
         acc = _mm(p16, v_smems.at[slot(j)], acc_shape, acc, interpret=interpret, stage=stage,
                   a_in_regs=True)
@@ -559,52 +542,6 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
     return c[:3]
 
 
-def persistent_ctas(interpret=None) -> int:
-    """CTAs of a persistent kernel: the GPU's SM count (132 on the H100 / H200 SXM when it
-    cannot be read); 3 in GPU interpret mode, so tests run several tiles per CTA."""
-    if interpret is not None:
-        return 3
-    try:
-        return int(jax.local_devices(backend="gpu")[0].core_count)
-    except (RuntimeError, AttributeError, IndexError):
-        return 132
-
-
-def _persistent_schedule(ctab, *, B, N, n_qt, n_ctas, order_qt, estimate):
-    """Static tile lists of a persistent kernel: int32 [P, 1 + M] (row p: count, then tile ids
-    (b * n_qt + qt) * N + h, padded with 0), P = min(n_ctas, tiles).
-
-    Tiles are taken in the order a non-persistent grid (N, n_qt, B) launches them (h fastest,
-    so concurrent CTAs share K/V in L2; query tiles in `order_qt` order) and each goes to the
-    CTA with the least work so far (greedy, as the hardware's block scheduler does), counting
-    a tile's key blocks H - L plus one. ctab [B, n_qt, 2] gives (L, H); when it is traced
-    (segments, traced offsets), `estimate()` gives a static stand-in (no segments, offset 0)."""
-    import heapq
-    import numpy as np
-    try:
-        tab = np.asarray(ctab)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        tab = np.asarray(estimate())
-    cost = (tab[..., 1] - tab[..., 0]).astype(np.int64) + 1          # [B, n_qt]
-    n_tiles = B * n_qt * N
-    P = max(1, min(n_ctas, n_tiles))
-    heap = [(0, p) for p in range(P)]
-    lists = [[] for _ in range(P)]
-    for b in range(B):
-        for i in range(n_qt):
-            qt = order_qt(i) if order_qt is not None else i
-            for h in range(N):
-                load, p = heapq.heappop(heap)
-                lists[p].append((b * n_qt + qt) * N + h)
-                heapq.heappush(heap, (load + int(cost[b, qt]), p))
-    M = max(len(x) for x in lists)
-    out = np.zeros((P, 1 + M), np.int32)
-    for p, x in enumerate(lists):
-        out[p, 0] = len(x)
-        out[p, 1:1 + len(x)] = x
-    return out
-
-
 def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, S, cfg: Config,
              interpret):
     """q [B, Tp, N, Dqk], k [B, Sp, K, Dqk], v [B, Sp, K, Dv] -> o [B, Tp, N, Dv],
@@ -619,52 +556,33 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
     union_o = Dv <= Dqk and (bq * Dqk) % Dv == 0 and ((bq * Dqk) // Dv) % 8 == 0
     n_qt = Tp // (2 * bq)
     named = _use_named(cfg, interpret)
-    persistent = cfg.fwd_persistent
-    if persistent:
-        sched_np = _persistent_schedule(
-            ctab, B=B, N=N, n_qt=n_qt, n_ctas=persistent_ctas(interpret),
-            order_qt=(lambda i: n_qt - 1 - i) if causal and cfg.fwd_longest_first else None,
-            estimate=lambda: _tile_ranges(
-                B=B, n_rows_p=Tp, row_block=bq, n_cols_p=Sp, col_block=bkv, rows_are_q=True,
-                T=T, S=S, causal=causal, delta=0, q_seg=None, kv_seg=None)[1])
 
-    def kernel(q_ref, k_ref, v_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref, kseg_ref, sched_ref,
-               o_ref, lse_ref, scoped):
-        if persistent:
-            wg = lax.axis_index("wg")
-            cta = lax.axis_index("cta")
-            n_mine = sched_ref[cta, 0]
-
-            def coords(i):
-                """(b, h, qt) of this CTA's i-th tile (tile id (b * n_qt + qt) * N + h)."""
-                t = sched_ref[cta, 1 + i]
-                return lax.div(t, jnp.int32(N * n_qt)), lax.rem(t, jnp.int32(N)), \
-                    lax.rem(lax.div(t, jnp.int32(N)), jnp.int32(n_qt))
-        else:
-            b = lax.axis_index("b")
-            h = lax.axis_index("h")
-            qt = lax.axis_index("qt")
-            if causal and cfg.fwd_longest_first:   # later query tiles see more keys: first
-                qt = n_qt - 1 - qt
-            wg = lax.axis_index("wg")
+    def kernel(q_ref, k_ref, v_ref, wgb_ref, ctab_ref, dl_ref, qseg_ref, kseg_ref, o_ref, lse_ref,
+               scoped):
+        b = lax.axis_index("b")
+        h = lax.axis_index("h")
+        qt = lax.axis_index("qt")
+        if causal and cfg.fwd_longest_first:   # later query tiles see more keys: start them first
+            qt = n_qt - 1 - qt
+        wg = lax.axis_index("wg")
         (qo_smems, k_smems, v_smems, lse_smems, stage_smems), (k_bar, v_bar, q_bar), \
             (k_cons, v_cons), sched = scoped
         q_smems, o_smems = qo_smems
         sig = _Sync({"k": k_cons, "v": v_cons}, sched, named=named, stages=stages)
+        L = ctab_ref[b, qt, 0]
+        H = ctab_ref[b, qt, 1]
 
         def sync():
             plgpu.barrier_arrive(sched)
             plgpu.barrier_wait(sched)
 
-        def compute_tile(b, h, qt, L, H, g0=0, after_last_s=None):
-            """One compute warpgroup's 64-row tile of CTA tile (b, h, qt). Non-persistent: also
-            loads Q and stages O / lse through shared memory for TMA stores. Persistent: Q was
-            loaded ahead, `after_last_s` loads the next tile's, O and lse go from registers."""
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(cfg.regs_fwd[0], action="increase")
             tile = 2 * qt + wg
             q_base = tile * bq
             q_smem = q_smems.at[wg]
-            if after_last_s is None:
-                plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], q_smem, q_bar.at[wg])
+            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds(q_base, bq), h], q_smem, q_bar.at[wg])
             lo = wgb_ref[b, tile, 0]
             mlo = wgb_ref[b, tile, 1]
             mhi = wgb_ref[b, tile, 2]
@@ -735,23 +653,16 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                     q_smem=q_smem, k_smems=k_smems, v_smems=v_smems, bars=(k_bar, v_bar),
                     sig=sig, mask=mask, c2=c2, fma=cfg.fwd_fma, stages=stages,
                     shapes=((bq, bkv), (bq, Dv)), dtype=dtype, stage=stage,
-                    interpret=interpret, g0=g0, after_last_s=after_last_s)
+                    interpret=interpret)
             else:
                 acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip,
                                               (acc, m_i, l_i))
                 pl.when(wg == 0)(sync)
-            if after_last_s is not None:
-                pl.when(lo >= hi)(after_last_s)   # no key block: Q was never read
             empty = l_i == 0.0
             inv = 1.0 / jnp.where(empty, 1.0, l_i)
             acc = acc * lax.broadcast_in_dim(inv, acc.shape, [0])
-            lse = jnp.where(empty, -jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
-            if after_last_s is not None:
-                o_ref.at[b, pl.ds(q_base, bq), h][...] = acc.astype(dtype)
-                lse_ref.at[b, h, pl.ds(q_base, bq)][...] = lse
-                return
             lse_smem = lse_smems.at[wg]
-            lse_smem[...] = lse
+            lse_smem[...] = jnp.where(empty, -jnp.inf, m_i + jnp.log2(jnp.where(empty, 1.0, l_i)))
             o_smem = o_smems.at[wg, pl.ds(0, bq)] if union_o else o_smems.at[wg]
             o_smem[...] = acc.astype(dtype)
             plgpu.commit_smem()
@@ -759,99 +670,45 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
             plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[b, h, pl.ds(q_base, bq)])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-        def load_q(i):
-            b, h, qt = coords(i)
-            plgpu.copy_gmem_to_smem(q_ref.at[b, pl.ds((2 * qt + wg) * bq, bq), h],
-                                    q_smems.at[wg], q_bar.at[wg])
-
-        if not persistent:
-            L = ctab_ref[b, qt, 0]
-            H = ctab_ref[b, qt, 1]
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(cfg.regs_fwd[0], action="increase")
-            if not persistent:
-                compute_tile(b, h, qt, L, H)
-                return
-            pl.when(n_mine > 0)(lambda: load_q(0))
-
-            def tile_body(i, g0):
-                b, h, qt = coords(i)
-                L = ctab_ref[b, qt, 0]
-                H = ctab_ref[b, qt, 1]
-
-                def next_q():
-                    pl.when(i + 1 < n_mine)(lambda: load_q(i + 1))
-                compute_tile(b, h, qt, L, H, g0, next_q)
-                return g0 + H - L
-            lax.fori_loop(0, n_mine, tile_body, jnp.int32(0))
-
         @pl.when(wg == 2)
         def _memory():
             plgpu.set_max_registers(cfg.regs_fwd[1], action="decrease")
-            if persistent:
-                def tile_body(i, g0):
-                    b, h, qt = coords(i)
-                    L = ctab_ref[b, qt, 0]
-                    H = ctab_ref[b, qt, 1]
+            kvh = lax.div(h, jnp.int32(G))
 
-                    @pl.loop(L, H)
-                    def _(ki):        # ring slots count across the CTA's tiles
-                        g = g0 + ki - L
-                        slot = lax.rem(g, stages)
-                        ks = pl.ds(ki * bkv, bkv)
-                        kvh = lax.div(h, jnp.int32(G))
-                        pl.when(g >= stages)(lambda: sig.wait_free("k", slot))
-                        plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot],
-                                                k_bar.at[slot])
-                        pl.when(g >= stages)(lambda: sig.wait_free("v", slot))
-                        plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot],
-                                                v_bar.at[slot])
-                    return g0 + H - L
-                n_blocks = lax.fori_loop(0, n_mine, tile_body, jnp.int32(0))
-                last0 = jnp.maximum(n_blocks - stages, 0)
-            else:
-                kvh = lax.div(h, jnp.int32(G))
+            def load(ki, slot):
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
 
-                def load(ki, slot):
-                    ks = pl.ds(ki * bkv, bkv)
-                    plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                    plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+            for i in range(stages):
+                @pl.when(L + i < H)
+                def _():
+                    load(L + i, i)
 
-                for i in range(stages):
-                    @pl.when(L + i < H)
-                    def _():
-                        load(L + i, i)
+            @pl.loop(L + stages, H)
+            def _(ki):
+                slot = lax.rem(ki - L, stages)
+                sig.wait_free("k", slot)
+                ks = pl.ds(ki * bkv, bkv)
+                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                sig.wait_free("v", slot)
+                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
 
-                @pl.loop(L + stages, H)
-                def _(ki):
-                    slot = lax.rem(ki - L, stages)
-                    sig.wait_free("k", slot)
-                    ks = pl.ds(ki * bkv, bkv)
-                    plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                    sig.wait_free("v", slot)
-                    plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
-
-            @pl.loop(last0, n_blocks) if persistent else pl.loop(jnp.maximum(H - stages, L), H)
+            @pl.loop(jnp.maximum(H - stages, L), H)
             def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
-                slot = lax.rem(ki if persistent else ki - L, stages)
+                slot = lax.rem(ki - L, stages)
                 sig.wait_free("k", slot)
                 sig.wait_free("v", slot)
 
     def entry(*refs):
-        if not persistent:
-            refs = refs[:8] + (None,) + refs[8:]
         q_s = _tiled((2, bq, Dqk), dtype)
-        if persistent:
-            qo = (q_s, None)
-        elif union_o:
+        if union_o:
             qo = plgpu.RefUnion(q_s, _tiled((2, (bq * Dqk) // Dv, Dv), dtype))
         else:
             qo = (q_s, _tiled((2, bq, Dv), dtype))
         stage = plgpu.SMEM((2, bq, bkv), dtype) if interpret else None
         smems = (qo, _tiled((stages, bkv, Dqk), dtype), _tiled((stages, bkv, Dv), dtype),
-                 None if persistent else plgpu.SMEM((2, bq), jnp.float32), stage)
+                 plgpu.SMEM((2, bq), jnp.float32), stage)
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=2))
         cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
@@ -866,13 +723,8 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, Dv), dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32))
     seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
-    if persistent:
-        grid, names = (sched_np.shape[0],), ("cta",)
-        seg_args = (*seg_args, jnp.asarray(sched_np))
-    else:
-        grid, names = (N, n_qt, B), ("h", "qt", "b")
     return plgpu.kernel(
-        entry, out_type=out_type, grid=grid, grid_names=names,
+        entry, out_type=out_type, grid=(N, n_qt, B), grid_names=("h", "qt", "b"),
         num_threads=3, thread_name="wg", compiler_params=_compiler_params(cfg),
         interpret=interpret,
     )(q, k, v, wgb, ctab, delta_arr, *seg_args)

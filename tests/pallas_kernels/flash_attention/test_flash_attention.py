@@ -135,8 +135,6 @@ def _schedule_case(seed, seg_seeds, variant):
     dict(no_auto_barriers=True, fwd_pipe=False),   # no_auto_barriers: compiled only
     dict(fwd_fma=False),
     dict(fwd_fma=False, fwd_pipe=False, named_barriers=False),
-    dict(fwd_persistent=True),
-    dict(fwd_persistent=True, named_barriers=False, fwd_longest_first=False),
 ])
 def test_forward_schedules(variant):
     """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
