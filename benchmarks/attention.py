@@ -83,8 +83,9 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     "fma": dict(named_barriers=False, dkv_stat_smem=False),
     "nb": dict(fwd_fma=False, dkv_stat_smem=False),
     "fma_nb": dict(dkv_stat_smem=False),
-    # session 9: Config.q_regs
-    "qr": dict(q_regs=True),
+    # session 9: Config.dq_regs
+    "dqq": dict(dq_regs="q"),
+    "dqdo": dict(dq_regs="do"),
 }
 
 

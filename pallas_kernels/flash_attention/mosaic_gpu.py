@@ -96,14 +96,17 @@ class Config:
     # dP^T products). H200: backward 128/128 1.69 -> 1.60 ms, MLA B4 2.11 -> 2.07 ms;
     # gradients bitwise unchanged.
     dkv_stat_smem: bool = True
-    # Session 9. q_regs: the forward (fwd_pipe) and dq kernels load each warpgroup's Q tile
-    # into registers once (bf16 [64, Dqk]: Dqk / 4 registers per thread) and issue S = Q K^T
-    # with A from registers, so the key loop reads only K from shared memory for that product.
-    # GPU interpret mode keeps Q in shared memory (its wgmma reads operands from there).
-    q_regs: bool = False
+    # Session 9. dq_regs: the dq kernel loads one of its warpgroup's fixed tiles into registers
+    # once (bf16: "q" [64, Dqk], Dqk / 4 registers per thread; "do" [64, Dv], Dv / 4) and
+    # issues S = Q K^T ("q") or dP = dO V^T ("do") with A from registers, so the key loop reads
+    # only K (V) from shared memory for that product. "" keeps both in shared memory. GPU
+    # interpret mode always does (its wgmma reads operands from there). The same for the
+    # forward's S product ran at 425 instead of 611 TFLOP/s (RESULTS.md "v9").
+    dq_regs: str = ""
 
     def __post_init__(self):
-        for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE)):
+        for name, allowed in (("dq_issue", DQ_ISSUE), ("dkv_issue", DKV_ISSUE),
+                              ("dq_regs", DQ_REGS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"Config.{name}={getattr(self, name)!r}: expected one of "
                                  f"{allowed}")
@@ -120,6 +123,7 @@ class Config:
 
 DQ_ISSUE = ("serial", "sdp", "sdp1")
 DKV_ISSUE = ("serial", "sdp", "sdp1", "dvdp")
+DQ_REGS = ("", "q", "do")
 
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -428,13 +432,13 @@ class _Sync:
             plgpu.barrier_arrive(self.turn.at[1 - wg])
 
 
-def _q_regs(q_smem, cfg, interpret):
-    """Config.q_regs: the warpgroup's Q tile as a bf16/fp16 register array in wgmma's A
-    layout (loaded after its TMA barrier was waited), or None (Q stays in shared memory; also
-    in GPU interpret mode, whose wgmma reads only shared memory)."""
-    if not cfg.q_regs or interpret is not None:
-        return None
-    return plgpu.load(q_smem, (), layout=_WGMMA)
+def _in_regs(tile_smem, on, interpret):
+    """A wgmma A operand (Config.dq_regs): the shared-memory tile as a register array in
+    wgmma's layout when `on` and compiled (call after the tile's TMA barrier was waited), else
+    the tile itself (GPU interpret mode's wgmma reads only shared memory)."""
+    if not on or interpret is not None:
+        return tile_smem
+    return plgpu.load(tile_smem, (), layout=_WGMMA)
 
 
 def _compiler_params(cfg: Config | None = None):
@@ -461,7 +465,7 @@ def _online_softmax(s2, acc, m_i, l_i, dtype, c2=None):
 
 
 def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, sig,
-                     mask, c2, fma, stages, shapes, dtype, stage, interpret, q_regs=None):
+                     mask, c2, fma, stages, shapes, dtype, stage, interpret):
     """Forward key loop of one compute warpgroup, software-pipelined (Config.fwd_pipe).
 
     Key blocks [L, H) are the CTA's; this warpgroup computes [lo, hi) (element masks outside
@@ -471,13 +475,11 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
     after the loop. Turns: warpgroup w waits on turn[w] before issuing a block's products and
     arrives on turn[1 - w] after, so the two warpgroups' products alternate while the other
     runs its softmax (warpgroup 0 takes the first turn unasked and consumes the last arrival
-    at the end). `q_regs`: Q as a register array (Config.q_regs) for the S products instead
-    of q_smem. Returns (acc [bq, Dv] fp32 unnormalised, m2 [bq], l [bq]).
+    at the end). Returns (acc [bq, Dv] fp32 unnormalised, m2 [bq], l [bq]).
     """
     k_bar, v_bar = bars
     (bq, bkv), acc_shape = shapes
     acc, m_i, l_i = carry
-    q_op = q_smem if q_regs is None else q_regs
 
     def turn_wait(j):
         @pl.when((wg == 1) | (j != L))
@@ -512,7 +514,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         turn_wait(j)
 
         def qk(s_ref):
-            plgpu.wgmma(s_ref, q_op, k_smems.at[slot(j)].T)
+            plgpu.wgmma(s_ref, q_smem, k_smems.at[slot(j)].T)
             turn_arrive()
             return s_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
@@ -525,7 +527,7 @@ def _pipelined_loops(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_sm
         plgpu.barrier_wait(v_bar.at[sp])
         plgpu.barrier_wait(k_bar.at[sj])
         turn_wait(j)
-        acc, s = _mm_acc_then_fresh(p16, v_smems.at[sp], acc, q_op, k_smems.at[sj].T,
+        acc, s = _mm_acc_then_fresh(p16, v_smems.at[sp], acc, q_smem, k_smems.at[sj].T,
                                     (bq, bkv), interpret=interpret, stage=stage,
                                     after_issue=turn_arrive)
         sig.free("v", sp)
@@ -669,7 +671,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
                     q_smem=q_smem, k_smems=k_smems, v_smems=v_smems, bars=(k_bar, v_bar),
                     sig=sig, mask=mask, c2=c2, fma=cfg.fwd_fma, stages=stages,
                     shapes=((bq, bkv), (bq, Dv)), dtype=dtype, stage=stage,
-                    interpret=interpret, q_regs=_q_regs(q_smem, cfg, interpret))
+                    interpret=interpret)
             else:
                 acc, m_i, l_i = _ranged_loops(L, lo, mlo, mhi, hi, H, step, skip,
                                               (acc, m_i, l_i))
@@ -827,8 +829,8 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
             if not own_dlt:
                 plgpu.barrier_wait(do_bar.at[wg])
 
-            q_op = _q_regs(q_smem, cfg, interpret)
-            q_op = q_smem if q_op is None else q_op
+            q_op = _in_regs(q_smem, cfg.dq_regs == "q", interpret)
+            do_op = _in_regs(do_smem, cfg.dq_regs == "do", interpret)
 
             def step(ki, dq, *, masked):
                 slot = lax.rem(ki - L, stages)
@@ -851,7 +853,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
                 plgpu.barrier_wait(k_bar.at[slot])
                 if cfg.dq_issue in ("sdp", "sdp1"):
                     plgpu.barrier_wait(v_bar.at[slot])
-                    p, dp = _mm_two(q_op, k_smems.at[slot].T, (bq, bkv), do_smem,
+                    p, dp = _mm_two(q_op, k_smems.at[slot].T, (bq, bkv), do_op,
                                     v_smems.at[slot].T, (bq, bkv), interpret=interpret,
                                     between=probs if cfg.dq_issue == "sdp1" else None)
                     if cfg.dq_issue == "sdp":
@@ -859,7 +861,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
                 else:
                     p = probs(_mm(q_op, k_smems.at[slot].T, (bq, bkv), interpret=interpret))
                     plgpu.barrier_wait(v_bar.at[slot])
-                    dp = _mm(do_smem, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
+                    dp = _mm(do_op, v_smems.at[slot].T, (bq, bkv), interpret=interpret)
                 sig.free("v", slot)
                 ds = p * (dp - lax.broadcast_in_dim(dlt, dp.shape, [0]))
                 dq = _mm(ds.astype(dtype), k_smems.at[slot], (bq, Dqk), dq, interpret=interpret,

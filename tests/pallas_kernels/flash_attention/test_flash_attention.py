@@ -135,7 +135,6 @@ def _schedule_case(seed, seg_seeds, variant):
     dict(no_auto_barriers=True, fwd_pipe=False),   # no_auto_barriers: compiled only
     dict(fwd_fma=False),
     dict(fwd_fma=False, fwd_pipe=False, named_barriers=False),
-    dict(q_regs=True),   # compiled only (interpret mode keeps Q in shared memory)
 ])
 def test_forward_schedules(variant):
     """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
@@ -163,7 +162,8 @@ def test_forward_schedules(variant):
     dict(dkv_fold=False, dq_issue="serial", bwd_longest_first=False, regs_bwd=(232, 40)),
     dict(named_barriers=False),
     dict(dkv_stat_smem=False),
-    dict(q_regs=True),   # compiled only (interpret mode keeps Q in shared memory)
+    dict(dq_regs="q"),    # dq_regs: compiled only (interpret mode keeps the tiles in smem)
+    dict(dq_regs="do", dq_issue="serial"),
 ])
 def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
