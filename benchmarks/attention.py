@@ -86,6 +86,7 @@ VARIANTS = {   # name: Config fields changed from default_config (v1: forward be
     # session 9: Config.dq_regs
     "dqq": dict(dq_regs="q"),
     "dqdo": dict(dq_regs="do"),
+    "dq0": dict(dq_regs=""),     # session 8's dq kernel (dq_regs "do" is MLA's default since)
 }
 
 

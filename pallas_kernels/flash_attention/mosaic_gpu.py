@@ -101,7 +101,8 @@ class Config:
     # issues S = Q K^T ("q") or dP = dO V^T ("do") with A from registers, so the key loop reads
     # only K (V) from shared memory for that product. "" keeps both in shared memory. GPU
     # interpret mode always does (its wgmma reads operands from there). The same for the
-    # forward's S product ran at 425 instead of 611 TFLOP/s (RESULTS.md "v9").
+    # forward's S product ran at 425 instead of 611 TFLOP/s (RESULTS.md "v9"). default_config
+    # picks "do" at 192/128.
     dq_regs: str = ""
 
     def __post_init__(self):
@@ -146,8 +147,11 @@ def default_config(Dqk, Dv) -> Config:
     pipelines up to Dqk + Dv = 320 (MLA 192/128); 64-key steps / 1-deep backward for 256/256.
     The dk/dv kernel overlaps P with the dP product (dkv_issue "sdp1") only up to
     Dqk + Dv = 256: with MLA's 192-wide dK accumulator the extra live registers spill (H200:
-    128/128 dk/dv 1.19 -> 1.08 ms, MLA 1.55 -> 1.98 ms)."""
-    cfg = Config(dkv_issue="sdp1" if Dqk + Dv <= 256 else "serial")
+    128/128 dk/dv 1.19 -> 1.08 ms, MLA 1.55 -> 1.98 ms). The dq kernel takes dO from registers
+    (dq_regs "do") where that was measured faster, at 192/128 (RESULTS.md "v9"; 128/128 was
+    not faster, and wider tiles would not fit the registers)."""
+    cfg = Config(dkv_issue="sdp1" if Dqk + Dv <= 256 else "serial",
+                 dq_regs="do" if 256 < Dqk + Dv <= 320 else "")
     if smem_bytes(Dqk, Dv, cfg)[0] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, block_kv=64)
     if max(smem_bytes(Dqk, Dv, cfg)[1:]) > SMEM_BYTES:

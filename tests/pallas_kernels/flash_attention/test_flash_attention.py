@@ -163,11 +163,11 @@ def test_forward_schedules(variant):
     dict(named_barriers=False),
     dict(dkv_stat_smem=False),
     dict(dq_regs="q"),    # dq_regs: compiled only (interpret mode keeps the tiles in smem)
-    dict(dq_regs="do", dq_issue="serial"),
+    dict(dq_regs="", dq_issue="serial"),
 ])
 def test_backward_schedules(variant):
     """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
-    bwd_longest_first, regs_bwd, named_barriers, dkv_stat_smem; the defaults run in every case
+    bwd_longest_first, regs_bwd, named_barriers, dkv_stat_smem, dq_regs; the defaults run in every case
     above) give the oracle's dq, dk, dv on a case with skip steps, masked rows, GQA and packed
     segments."""
     q, k, v, do, segs, cfg, kw, ip = _schedule_case(11, (6, 7), variant)
