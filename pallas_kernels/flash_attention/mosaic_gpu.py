@@ -148,10 +148,10 @@ def default_config(Dqk, Dv) -> Config:
     The dk/dv kernel overlaps P with the dP product (dkv_issue "sdp1") only up to
     Dqk + Dv = 256: with MLA's 192-wide dK accumulator the extra live registers spill (H200:
     128/128 dk/dv 1.19 -> 1.08 ms, MLA 1.55 -> 1.98 ms). The dq kernel takes dO from registers
-    (dq_regs "do") where that was measured faster, at 192/128 (RESULTS.md "v9"; 128/128 was
-    not faster, and wider tiles would not fit the registers)."""
+    (dq_regs "do") only where that was measured faster, at 192/128 (RESULTS.md "v9"; 128/128
+    was not)."""
     cfg = Config(dkv_issue="sdp1" if Dqk + Dv <= 256 else "serial",
-                 dq_regs="do" if 256 < Dqk + Dv <= 320 else "")
+                 dq_regs="do" if (Dqk, Dv) == (192, 128) else "")
     if smem_bytes(Dqk, Dv, cfg)[0] > SMEM_BYTES:
         cfg = dataclasses.replace(cfg, block_kv=64)
     if max(smem_bytes(Dqk, Dv, cfg)[1:]) > SMEM_BYTES:
