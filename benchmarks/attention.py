@@ -5,7 +5,12 @@ FLOPs: forward 2*B*N*T*S*(Dqk+Dv), halved for causal; forward+backward = 3.5x fo
 (backward counted as 2.5x forward). Inputs bf16, random normal (never zeros).
 Each cell: median over `reps` timings of `iters` back-to-back calls, after a warm-up call;
 with `--rounds R` the impls of a shape are compiled first and then timed interleaved (R rounds,
-each impl once per round), the median over rounds reported with the forward's spread.
+each impl once per round), the median over rounds reported with the forward's spread, and a
+second table pairs each impl with the shape's first one round by round: the median and range
+over rounds of its time / the first impl's time in the same round, for the forward, the
+forward+backward and the backward alone (fwd+bwd minus fwd). Pairing within a round removes
+most of the clock drift that the GPU's power cap puts between rounds (identical kernels have
+differed by up to ~6 % between rounds; RESULTS.md "v9").
 
 `--impls` takes `ours`, `ours:fused` (the fused backward of `mosaic_gpu_bwd`), `ours:VARIANT`
 (a `VARIANTS` entry: Config fields changed from `default_config`; one name may be listed twice
@@ -248,7 +253,7 @@ def main():
     iters, reps = (3, 3) if a.quick else (a.iters, a.reps)
     t_start = time.perf_counter()
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
-    rows = []
+    rows, paired = [], []
     for si in map(int, a.shapes.split(",")):
         name, B, T, N, Dqk, Dv, causal = SHAPES[si]
         if a.tiny:
@@ -323,6 +328,12 @@ def main():
                 for i, (_, fwd, fwdbwd, _) in enumerate(compiled):
                     ts[i][0].append(_time(fwd, (q, k, v), iters, 1))
                     ts[i][1].append(_time(fwdbwd, (q, k, v), iters, 1))
+            for (iname, _, _, _), (tfs, tfbs) in list(zip(compiled, ts))[1:]:
+                paired.append((name, iname, compiled[0][0],
+                               *(_ratios(x, y) for x, y in (
+                                   (tfs, ts[0][0]), (tfbs, ts[0][1]),
+                                   ([b - f for f, b in zip(tfs, tfbs)],
+                                    [b - f for f, b in zip(*ts[0])])))))
             for (iname, _, _, err), (tfs, tfbs) in zip(compiled, ts):
                 tf, tfb = statistics.median(tfs), statistics.median(tfbs)
                 spread = max(tfs) / min(tfs) - 1
@@ -342,6 +353,20 @@ def main():
     for r in rows:
         print(f"| {r[0]} | {r[1]} | {r[2]:.0f} | {r[3]:.0f} | {r[4]:.3f} | {r[5]:.3f} |"
               f" {r[5] - r[4]:.3f} | {r[6]} |")
+    if paired:
+        print("\nPaired by round (time / the first impl's time in the same round; median [min, "
+              "max] over rounds; < 1 is faster):\n")
+        print("| shape | impl | vs | fwd | fwd+bwd | bwd |")
+        print("|---|---|---|---|---|---|")
+        for r in paired:
+            cells = " | ".join("%.3f [%.3f, %.3f]" % x for x in r[3:])
+            print(f"| {r[0]} | {r[1]} | {r[2]} | {cells} |")
+
+
+def _ratios(times, base):
+    """(median, min, max) over rounds of times[i] / base[i] (same-round pairs)."""
+    r = [t / b for t, b in zip(times, base)]
+    return statistics.median(r), min(r), max(r)
 
 
 if __name__ == "__main__":
