@@ -697,9 +697,13 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
             plgpu.set_max_registers(cfg.regs_fwd[1], action="decrease")
             kvh = lax.div(h, jnp.int32(G))
 
-            def load(ki, slot):
+            def load(ki, slot, wait=False):   # wait: for the slot's previous use to be freed
+                if wait:
+                    sig.wait_free("k", slot)
                 ks = pl.ds(ki * bkv, bkv)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                if wait:
+                    sig.wait_free("v", slot)
                 plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
 
             for i in range(stages):
@@ -709,12 +713,7 @@ def _forward(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, T, 
 
             @pl.loop(L + stages, H)
             def _(ki):
-                slot = lax.rem(ki - L, stages)
-                sig.wait_free("k", slot)
-                ks = pl.ds(ki * bkv, bkv)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                sig.wait_free("v", slot)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+                load(ki, lax.rem(ki - L, stages), wait=True)
 
             @pl.loop(jnp.maximum(H - stages, L), H)
             def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
@@ -891,9 +890,13 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
             plgpu.set_max_registers(cfg.regs_bwd[1], action="decrease")
             kvh = lax.div(h, jnp.int32(G))
 
-            def load(ki, slot):
+            def load(ki, slot, wait=False):   # wait: for the slot's previous use to be freed
                 ks = pl.ds(ki * bkv, bkv)
+                if wait:
+                    sig.wait_free("k", slot)
                 plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
+                if wait:
+                    sig.wait_free("v", slot)
                 plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
 
             for i in range(stages):
@@ -903,12 +906,7 @@ def _dq_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg,
 
             @pl.loop(L + stages, H)
             def _(ki):
-                slot = lax.rem(ki - L, stages)
-                ks = pl.ds(ki * bkv, bkv)
-                sig.wait_free("k", slot)
-                plgpu.copy_gmem_to_smem(k_ref.at[b, ks, kvh], k_smems.at[slot], k_bar.at[slot])
-                sig.wait_free("v", slot)
-                plgpu.copy_gmem_to_smem(v_ref.at[b, ks, kvh], v_smems.at[slot], v_bar.at[slot])
+                load(ki, lax.rem(ki - L, stages), wait=True)
 
             @pl.loop(jnp.maximum(H - stages, L), H)
             def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
@@ -1124,12 +1122,16 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
                     plgpu.copy_gmem_to_smem(dlt_ref.at[b, h, qs], dlt_smems.at[slot],
                                             do_bar.at[slot])
 
-            def load(j, slot):
+            def load(j, slot, wait=False):   # wait: for the slot's previous use to be freed
                 g = lax.div(j, n_c1)
                 c = L + lax.rem(j, n_c1)
                 h = kvh * G + g
                 qs = pl.ds(c * bq, bq)
+                if wait:
+                    sig.wait_free("q", slot)
                 copy_q(b, qs, h, slot)
+                if wait:
+                    sig.wait_free("do", slot)
                 copy_do(b, qs, h, slot)
 
             for i in range(stages):
@@ -1139,15 +1141,7 @@ def _dkv_kernel_call(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg
 
             @pl.loop(stages, n)
             def _(j):
-                slot = lax.rem(j, stages)
-                g = lax.div(j, n_c1)
-                c = L + lax.rem(j, n_c1)
-                h = kvh * G + g
-                qs = pl.ds(c * bq, bq)
-                sig.wait_free("q", slot)
-                copy_q(b, qs, h, slot)
-                sig.wait_free("do", slot)
-                copy_do(b, qs, h, slot)
+                load(j, lax.rem(j, stages), wait=True)
 
             @pl.loop(jnp.maximum(n - stages, 0), n)
             def _(j):
