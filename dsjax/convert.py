@@ -23,6 +23,12 @@ from pathlib import Path
 import jax
 
 from dsjax import config as C
+from dsjax.checkpoint import Checkpointer
+from dsjax.cli import run_main
+from dsjax.hf import load_hf, save_hf
+from dsjax.model import abstract_model
+from dsjax.train.optim import build_optimizer
+from dsjax.train.step import init_state
 
 log = logging.getLogger("dsjax.convert")
 
@@ -30,11 +36,6 @@ log = logging.getLogger("dsjax.convert")
 def from_hf(hf_dir: str | Path, out: str | Path, config: str | None = None,
             overrides: tuple[str, ...] = ()) -> Path:
     """HF directory -> dsjax run directory with a step-0 checkpoint. Returns RUN_DIR."""
-    from dsjax.checkpoint import Checkpointer
-    from dsjax.hf import load_hf
-    from dsjax.train.optim import build_optimizer
-    from dsjax.train.step import init_state
-
     hf_dir, out = Path(hf_dir), Path(out)
     base = C.load(config, list(overrides))
     mcfg, _, params, rest = load_hf(hf_dir, base.model)
@@ -67,11 +68,6 @@ def from_hf(hf_dir: str | Path, out: str | Path, config: str | None = None,
 
 def restore_params(run_dir: str | Path, step: int | None = None):
     """(Config, params, rest, step) of a run's checkpoint, without a random init."""
-    from dsjax.checkpoint import Checkpointer
-    from dsjax.hf import abstract_model
-    from dsjax.train.optim import build_optimizer
-    from dsjax.train.step import init_state
-
     ck = Checkpointer(Path(run_dir) / "checkpoints", read_only=True)
     cfg = C.from_dict(ck.read_config(step))
     _, p_abs, r_abs = abstract_model(cfg.model)
@@ -85,8 +81,6 @@ def restore_params(run_dir: str | Path, step: int | None = None):
 def to_hf(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: str = "bfloat16",
           max_shard_bytes: int = 5 * 2**30) -> Path:
     """dsjax run directory -> HF directory. Returns the HF directory."""
-    from dsjax.hf import save_hf
-
     cfg, params, rest, step = restore_params(run_dir, step)
     tok = Path(run_dir) / "tokenizer.json"
     save_hf(out, cfg.model, params, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
@@ -125,6 +119,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from dsjax.cli import run_main
-
     run_main("dsjax.convert", main)

@@ -26,6 +26,16 @@ import os
 import subprocess
 import sys
 
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding
+
+from dsjax import config as C
+from dsjax.model import abstract_model
+from dsjax.train import loop
+from dsjax.train.optim import build_optimizer
+from dsjax.train.step import init_state
+
 GB = 1e9
 
 
@@ -40,21 +50,8 @@ def _child_env(n: int) -> dict:
 
 def compile_memory(cfg, n_devices: int) -> dict:
     """Compile cfg's train step on the first n_devices devices; returns bytes per device."""
-    import jax
-    import jax.numpy as jnp
-    from flax import nnx
-    from jax.sharding import NamedSharding
-
-    from dsjax.model import DeepSeekModel
-    from dsjax.train import loop
-    from dsjax.train.optim import build_optimizer
-    from dsjax.train.step import ModelFns, init_state
-
     par = loop.setup_parallel(cfg, jax.devices()[:n_devices])
-    model = nnx.eval_shape(lambda: DeepSeekModel(cfg.model, rngs=nnx.Rngs(0)))
-    graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
-    fns = ModelFns(graphdef, ps, rs)
-    params, rest = ps.to_pure_dict(), rs.to_pure_dict()
+    fns, params, rest = abstract_model(cfg.model)
     tx, schedule = build_optimizer(cfg.optim, max(cfg.train.steps, 1))
     abstract = jax.eval_shape(lambda p, r: init_state(p, r, tx), params, rest)
     sh = loop.state_shardings(fns, tx, par, abstract)
@@ -143,8 +140,6 @@ def main(argv=None) -> int:
         r = subprocess.run([sys.executable, "-m", "dsjax.plan", *(argv if argv is not None else sys.argv[1:])],
                            env=_child_env(a.devices))
         return r.returncode
-    from dsjax import config as C
-
     cfg = C.load(a.config, a.sets)
     res = plan(cfg, a.devices)
     print(json.dumps(res) if a.json else _report(cfg, a.devices, a.hbm_gb, res), flush=True)

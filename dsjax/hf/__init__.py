@@ -8,8 +8,8 @@ tests/dsjax/test_hf_parity.py.
 """
 from dsjax.hf.config import HFConfigError, model_config_from_hf, model_config_to_hf
 from dsjax.hf.export import save_hf
-from dsjax.hf.load import abstract_model, load_hf, load_hf_params
+from dsjax.hf.load import load_hf, load_hf_params
 from dsjax.hf.safetensors_io import CheckpointError, SafetensorsCheckpoint
 
 __all__ = ["HFConfigError", "CheckpointError", "SafetensorsCheckpoint", "model_config_from_hf",
-           "model_config_to_hf", "load_hf", "load_hf_params", "save_hf", "abstract_model"]
+           "model_config_to_hf", "load_hf", "load_hf_params", "save_hf"]

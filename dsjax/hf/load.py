@@ -23,6 +23,7 @@ from dsjax.config import ModelConfig
 from dsjax.hf import mapping as M
 from dsjax.hf.config import model_config_from_hf
 from dsjax.hf.safetensors_io import SCALE_SUFFIX, CheckpointError, SafetensorsCheckpoint
+from dsjax.model import abstract_model
 
 log = logging.getLogger("dsjax.hf")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -207,18 +208,6 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
         return out
 
     return finish("params", params), finish("rest", rest)
-
-
-def abstract_model(model_cfg: ModelConfig, seed: int = 0):
-    """(ModelFns, abstract params, abstract rest) without materialising a random init."""
-    from flax import nnx
-
-    from dsjax.model import DeepSeekModel
-    from dsjax.train.step import ModelFns
-
-    model = nnx.eval_shape(lambda: DeepSeekModel(model_cfg, rngs=nnx.Rngs(seed)))
-    graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
-    return ModelFns(graphdef, ps, rs), ps.to_pure_dict(), rs.to_pure_dict()
 
 
 def checkpoint_mtp_layers(path: str | Path, num_hidden_layers: int) -> int:

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.model.decoder import DecoderLayer
 from dsjax.model.layers import Linear, RMSNorm
 
 
@@ -29,8 +30,6 @@ class MTPLayer(nnx.Module):
     """One MTP depth: enorm, hnorm, eh_proj, one MoE decoder block, and the shared head's norm."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        from dsjax.model.transformer import DecoderLayer  # transformer imports this module lazily
-
         D = cfg.hidden_size
         self.enorm = RMSNorm(D, cfg.rms_norm_eps, cfg)
         self.hnorm = RMSNorm(D, cfg.rms_norm_eps, cfg)

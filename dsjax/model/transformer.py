@@ -12,8 +12,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.config import ModelConfig
-from dsjax.model.layers import MLA, MLP, Linear, RMSNorm, dtype_of
-from dsjax.model.moe import MoE
+from dsjax.model.decoder import DecoderLayer
+from dsjax.model.layers import Linear, RMSNorm, dtype_of
+from dsjax.model.mtp import MTP
 from dsjax.model.rope import inv_freq_and_attention_factor, rope_cos_sin, softmax_scale
 from pallas_kernels.flash_attention.reference import attention_reference
 
@@ -21,26 +22,6 @@ REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots_saveable": jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
 }
-
-
-class DecoderLayer(nnx.Module):
-    """h += attn(input_layernorm(h)); h += mlp(post_attention_layernorm(h))."""
-
-    def __init__(self, cfg: ModelConfig, moe: bool, *, rngs: nnx.Rngs):
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
-        self.self_attn = MLA(cfg, rngs=rngs)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
-        self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
-        self.is_moe = moe
-
-    def __call__(self, h, cos, sin, segment_ids, scale):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, segment_ids, scale)
-        x = self.post_attention_layernorm(h)
-        if self.is_moe:
-            y, stats = self.mlp(x, segment_ids > 0)
-        else:
-            y, stats = self.mlp(x), {}
-        return h + y, stats
 
 
 @jax.custom_vjp
@@ -98,8 +79,6 @@ class DeepSeekModel(nnx.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
             cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, rngs=rngs)
-        from dsjax.model.mtp import MTP  # DeepSeek-V3 multi-token prediction; imports DecoderLayer
-
         self.mtp = MTP(cfg, rngs=rngs) if cfg.num_nextn_predict_layers > 0 else None
         inv_freq, attn_factor = inv_freq_and_attention_factor(cfg)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static constants (float32-exact), not state
@@ -146,8 +125,8 @@ class DeepSeekModel(nnx.Module):
 
     def logits(self, h):
         """h [B, T, D] -> logits [B, T, V] float32: the lm_head matmul takes compute-dtype inputs
-        but writes fp32, so the cross-entropy never sees bf16-rounded logits (case 8; HF keeps
-        them in the model dtype)."""
+        but writes fp32, so the cross-entropy never sees bf16-rounded logits (a bf16 log-softmax
+        over a 100k vocabulary visibly quantises the loss; HF keeps them in the model dtype)."""
         if self.lm_head is None:
             w = self.embed_tokens[...].astype(h.dtype).T
         else:

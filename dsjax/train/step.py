@@ -8,18 +8,18 @@ The train state is a pytree of plain dicts:
   skipped  updates skipped for non-finite gradients;  nonfinite_step  first such step, or -1
 
 A batch holds `inputs, targets, loss_mask, segment_ids, positions`, each [A, B, T] where A is
-train.grad_accum (micro-batches scanned). The loss is the fp32 cross-entropy summed over real
-target tokens of all micro-batches divided by their count (../shared/cases case 8), plus the
-MoE sequence-wise balance loss (weight model.aux_loss_alpha) averaged over micro-batches, plus,
-with model.num_nextn_predict_layers = K > 0, the MTP loss (DeepSeek-V3 eq. 25):
+train.grad_accum (micro-batches scanned). The loss is the cross-entropy summed over real target
+tokens of all micro-batches divided by their count, in fp32 (a bf16 log-softmax over a 100k
+vocabulary visibly quantises the loss), plus the MoE sequence-wise balance loss (weight
+model.aux_loss_alpha) averaged over micro-batches, plus, with model.num_nextn_predict_layers =
+K > 0, the MTP loss (DeepSeek-V3 eq. 25):
 model.mtp_loss_weight / K * sum_k (fp32 CE of depth k summed over its valid targets / their count);
 depth k predicts the token k + 2 ahead, masked at document boundaries, padding and row ends
 (`dsjax.model.mtp.mtp_targets`).
 """
 from __future__ import annotations
 
-import dataclasses
-from typing import Any, Callable
+from typing import Callable
 
 import jax
 import jax.numpy as jnp
@@ -27,28 +27,12 @@ import optax
 from flax import nnx
 
 from dsjax.config import Config
-from dsjax.model import DeepSeekModel
+from dsjax.model import DeepSeekModel, ModelFns
 from dsjax.model.mtp import mtp_targets
 from dsjax.model.moe import update_router_bias
 
 GROWTH_INTERVAL = 2000  # finite fp16 steps before the loss scale doubles
 INITIAL_SCALE = 2.0 ** 15
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelFns:
-    """Closures over one model's graph: rebuild the module from pure dicts inside `jit`."""
-
-    graphdef: Any
-    abstract_params: Any
-    abstract_rest: Any
-
-    def merge(self, params, rest) -> DeepSeekModel:
-        ps = jax.tree.map(lambda x: x, self.abstract_params)
-        nnx.replace_by_pure_dict(ps, params)
-        rs = jax.tree.map(lambda x: x, self.abstract_rest)
-        nnx.replace_by_pure_dict(rs, rest)
-        return nnx.merge(self.graphdef, ps, rs)
 
 
 def init_model(cfg: Config, seed: int | None = None):

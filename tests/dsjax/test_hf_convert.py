@@ -173,7 +173,7 @@ def test_mtp_weights_loaded_or_ignored_with_note(v3, caplog):
     np.testing.assert_array_equal(np.asarray(rest["mtp"]["layers"]["block"]["mlp"]["e_score_correction_bias"][0]),
                                   ck.read(f"model.layers.{L}.mlp.gate.e_score_correction_bias"))
     off = dataclasses.replace(cfg, num_nextn_predict_layers=0)
-    from dsjax.hf import abstract_model
+    from dsjax.model import abstract_model
 
     _, p0, r0 = abstract_model(off)
     with caplog.at_level(logging.INFO, logger="dsjax.hf"):
