@@ -5,6 +5,7 @@ import argparse
 import json
 
 from dsjax.cli import add_config_args, load_config, run_main
+from dsjax.train.loop import train
 
 
 def main() -> None:
@@ -13,11 +14,12 @@ def main() -> None:
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
     args = p.parse_args()
     cfg = load_config(args)  # fails here, before any work, on a bad key or value
-    from dsjax.train.loop import train
-
     summary = train(cfg, resume=args.resume)
     val = summary["val_loss"]
+    # tokens_per_s: the whole run's average over train_s (training-loop time without the first,
+    # compiling step and without evaluations; see dsjax.train.loop.train)
     line = {"steps": summary["steps"], "wall_s": round(summary["wall_s"], 1),
+            "train_s": round(summary.get("train_s", 0.0), 1),
             "tokens_per_s": round(summary.get("tokens_per_s", 0.0)),
             "val_loss": {k: round(v, 4) for k, v in val.items()}, "run_dir": summary["run_dir"]}
     print("summary " + json.dumps(line))

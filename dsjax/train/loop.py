@@ -13,7 +13,8 @@ mesh of `cfg.mesh` and its rules preset. The state is created directly in its sh
 the global batch (`jax.make_array_from_process_local_data`, sequence striped over `context`
 for ring attention), and the step is jitted with those shardings while the rules are active,
 so the model's logical constraints, ring attention and expert parallelism apply. A checkpoint
-restores into the shardings of the *current* mesh, whatever mesh wrote it (case 6).
+restores into the shardings of the *current* mesh, whatever mesh wrote it (a run saved on 8
+devices continues on 2 or 1).
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer, abstract_like
 from dsjax.data import Documents, PackedLoader, expand_sources, load_or_train, split_files, stdlib_files
+from dsjax.hf import load_hf_params
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_model, init_state, make_eval_step, make_train_step
@@ -207,7 +209,10 @@ def evaluate(eval_step, params, rest, val: PackedLoader, max_batches: int, par: 
 
 
 def train(cfg: C.Config, resume: bool = False) -> dict:
-    """Train per `cfg`; returns a summary dict (losses, tokens/s, wall time).
+    """Train per `cfg`; returns a summary dict: val_loss and train_loss {step: loss}, steps,
+    wall_s (the whole call), first_step_s (the first step, mostly compilation), and
+    tokens_per_s / train_s: the run's average target tokens per second over train_s, the
+    training-loop time after the first step without evaluations (absent if no step ran).
 
     Raises:
       FileExistsError: RUN_DIR already holds checkpoints and `resume` is False.
@@ -231,8 +236,6 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
 
     fns, params, rest = init_model(cfg)
     if tc.init_from_hf:
-        from dsjax.hf import load_hf_params  # issue 3
-
         params, rest = load_hf_params(tc.init_from_hf, cfg.model, params, rest)
     tx, schedule = build_optimizer(cfg.optim, tc.steps)
     state, shardings = create_state(fns, params, rest, tx, par)
@@ -293,6 +296,11 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
     last_t, last_step = time.time(), start
     pending = None
     step = start
+    # the run's average tokens/s counts the steps after the first (whose time is mostly XLA
+    # compilation) over the loop's wall time from the end of the first step to the end of the
+    # last, less the evaluations in it; checkpoint saves count (the final wait for an async save
+    # does not). Tokens are summed on device, so no step waits for its metrics.
+    steady_t0, steady_tokens, first_tokens, eval_s = None, None, None, 0.0
     try:
         for step in range(start + 1, tc.steps + 1):
             batch = global_batch(par, next(train_loader), tc.grad_accum)
@@ -302,6 +310,9 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
                 jax.block_until_ready(metrics)
                 summary["first_step_s"] = time.time() - last_t
                 last_t, last_step = time.time(), step
+                steady_t0, first_tokens = last_t, metrics["tokens"]
+            else:
+                steady_tokens = metrics["tokens"] if steady_tokens is None else steady_tokens + metrics["tokens"]
             if bar is not None:
                 bar.update(1)
             last_of_run = step == tc.steps
@@ -322,13 +333,14 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
                     rec["router_entropy"] = list(m["router_entropy"])
                 writer.write(step, rec)
                 summary["train_loss"][step] = float(m["loss"])
-                summary["tokens_per_s"] = tps
                 if bar is not None:
                     bar.set_postfix(loss=f"{float(m['loss']):.3f}", lr=f"{float(m['lr']):.2e}",
                                     tok_s=f"{tps:,.0f}")
                 check_nonfinite()
             if val_loader is not None and (step % tc.eval_every == 0 or last_of_run):
+                te = time.time()
                 v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
+                eval_s += time.time() - te
                 summary["val_loss"][step] = v
                 writer.write(step, {"val_loss": v, "elapsed_s": time.time() - t0})
                 say(f"step {step} val_loss {v:.4f}")
@@ -339,6 +351,7 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
                 ckpt.wait()
                 say(f"SIGTERM: saved checkpoint at step {step} in {ckpt.directory}; exiting")
                 raise SystemExit(SIGTERM_EXIT)
+        loop_end = time.time()  # the last step's metrics were fetched: its work is done
         ckpt.wait()
     finally:
         signal.signal(signal.SIGTERM, prev)
@@ -347,6 +360,12 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
         writer.close()
         ckpt.close()
     del pending
+    if steady_tokens is not None:
+        summary["train_s"] = loop_end - steady_t0 - eval_s
+        summary["tokens_per_s"] = float(steady_tokens) / max(summary["train_s"], 1e-9)
+    elif steady_t0 is not None:  # a single step: its time includes the compilation
+        summary["train_s"] = summary["first_step_s"]
+        summary["tokens_per_s"] = float(first_tokens) / max(summary["first_step_s"], 1e-9)
     summary["steps"] = step
     summary["wall_s"] = time.time() - t0
     summary["run_dir"] = str(run_dir)
