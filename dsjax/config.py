@@ -3,8 +3,8 @@
 One mechanism: every scalar is read as text (YAML `BaseLoader`) and converted by the type of the
 dataclass field it lands in. So `learning_rate: 3e-4` and `--set optim.learning_rate=1e-5` are
 floats (a YAML 1.1 loader would read `3e-4` as a string), while a `str` field given `1e5` stays the
-string "1e5" (../shared/cases case 2). Unknown keys and wrong types raise `ConfigError` with a one-line
-message naming the key and the nearest valid key, before any work is done.
+string "1e5". Unknown keys and wrong types raise `ConfigError` with a one-line message naming the
+key and the nearest valid key, before any work is done.
 
 Model field names follow HF `DeepseekV3Config` / `DeepseekV2Config`
 (transformers/models/deepseek_v{2,3}/configuration_deepseek_v{2,3}.py).

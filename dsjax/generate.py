@@ -17,8 +17,14 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+from tokenizers import Tokenizer
 
 from dsjax import config as C
+from dsjax.checkpoint import Checkpointer
+from dsjax.cli import run_main
+from dsjax.data import tokenizer as tk
+from dsjax.train.optim import build_optimizer
+from dsjax.train.step import init_model, init_state
 
 
 def sample_logits(logits, key, temperature: float, top_p: float):
@@ -90,11 +96,6 @@ def generate(model, prompt_ids, max_new_tokens: int, *, temperature: float = 0.0
 
 def load_run(run_dir: str | Path, step: int | None = None):
     """Rebuild (model, tokenizer, config) from a training run directory's newest checkpoint."""
-    from dsjax.checkpoint import Checkpointer
-    from dsjax.data import tokenizer as tk
-    from dsjax.train.optim import build_optimizer
-    from dsjax.train.step import init_model, init_state
-
     run_dir = Path(run_dir)
     ckpt_dir = run_dir / "checkpoints"
     if not ckpt_dir.is_dir():
@@ -110,8 +111,6 @@ def load_run(run_dir: str | Path, step: int | None = None):
     tok_path = run_dir / "tokenizer.json"
     if not tok_path.is_file():
         raise FileNotFoundError(f"generate: tokenizer not found: {tok_path}")
-    from tokenizers import Tokenizer
-
     tok = tk.wrap(Tokenizer.from_file(str(tok_path)), tok_path)
     return model, tok, cfg, step
 
@@ -142,6 +141,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    from dsjax.cli import run_main
-
     run_main("dsjax.generate", main)

@@ -1,15 +1,14 @@
-"""Multi-host start-up and host-local -> global batches.
+"""Multi-host start-up.
 
 `initialize(...)` runs `jax.distributed.initialize` once, before any other JAX call, from
 explicit arguments, else the environment (DSJAX_COORDINATOR_ADDRESS / DSJAX_NUM_PROCESSES /
 DSJAX_PROCESS_ID, or JAX_COORDINATOR_ADDRESS), else JAX's cluster auto-detection when a cluster
 launcher is seen (SLURM, Open MPI, Kubernetes/JobSet, ...). Nothing set: single process, no-op.
 
-Failure behaviour (notes/reliability_conventions.md sec. 1.5). A process that dies stops sending
-heartbeats; after `heartbeat_timeout` seconds the coordination service marks it dead and the
-surviving processes' JAX clients abort with an error (they do not wait forever). A process
-that is alive but stuck in a collective is not detected by heartbeats (jax#38503); `Watchdog`
-covers that case by exiting the process when a step exceeds its deadline.
+Failure behaviour. A process that dies stops sending heartbeats; after `heartbeat_timeout`
+seconds the coordination service marks it dead and the surviving processes' JAX clients abort
+with an error, so they do not wait forever in a collective for a peer that is gone. A process
+that is alive but stuck in a collective is not detected by heartbeats (jax#38503).
 
 On the CPU backend cross-process collectives need `jax_cpu_collectives_implementation`
 (`gloo`), set here before the backend starts.
@@ -18,13 +17,8 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
-import threading
-import time
 
 import jax
-import numpy as np
-from jax.sharding import NamedSharding
 
 log = logging.getLogger("sharding.distributed")
 
@@ -90,47 +84,3 @@ def initialize_from_config(dc) -> bool:
     return initialize(dc.coordinator_address, dc.num_processes, dc.process_id,
                       initialization_timeout=dc.initialization_timeout,
                       heartbeat_timeout=dc.heartbeat_timeout, cpu_collectives=dc.cpu_collectives)
-
-
-def global_batch(local: dict, sharding_of) -> dict:
-    """Host-local numpy rows -> global `jax.Array`s.
-
-    Args:
-      local: name -> numpy array holding this process's rows (a contiguous block of the global
-        batch along the batch dimension, process i holding block i, as `PackedLoader` yields).
-      sharding_of: name -> NamedSharding of the global array (batch dim over the data axes).
-    Returns:
-      name -> global jax.Array (`jax.make_array_from_process_local_data`).
-    """
-    out = {}
-    for k, v in local.items():
-        v = np.asarray(v)
-        s: NamedSharding = sharding_of(k, v)
-        out[k] = jax.make_array_from_process_local_data(s, v)
-    return out
-
-
-class Watchdog:
-    """Exit the process (code 70) if `beat()` is not called for `timeout` seconds: a stuck
-    collective must not hang a job forever. `timeout` <= 0 disables it."""
-
-    def __init__(self, timeout: float, what: str = "train step"):
-        self.timeout, self.what = timeout, what
-        self._last = time.monotonic()
-        self._stop = threading.Event()
-        if timeout > 0:
-            threading.Thread(target=self._run, daemon=True).start()
-
-    def beat(self):
-        self._last = time.monotonic()
-
-    def _run(self):
-        while not self._stop.wait(min(5.0, self.timeout / 4)):
-            if time.monotonic() - self._last > self.timeout:
-                sys.stderr.write(f"watchdog: no progress in {self.what} for {self.timeout:.0f} s "
-                                 f"(process {jax.process_index()}); exiting\n")
-                sys.stderr.flush()
-                os._exit(70)
-
-    def close(self):
-        self._stop.set()

@@ -4,12 +4,12 @@ them inside `shard_map`, dropless.
 Legend: B batch, T sequence, n = local tokens of one rank, D hidden, F expert MLP width,
 E experts, El = E / ep local experts, K experts per token, ep expert-parallel size.
 
-Dispatch ("ring of experts", all-gather / reduce-scatter; MaxText `use_ring_of_experts`,
-notes/maxtext_easydel.md sec. 1.3): every expert rank all-gathers the tokens (and their routing)
-of the ep ranks of its group, runs *its* El experts on the rows routed to them (other rows go
-to a dummy group that the grouped GEMM leaves at zero), weights and sums each token's rows, and
-`psum_scatter` returns every token's partial sum to the rank that owns it while adding the ep
-partial sums. Nothing is dropped: every (token, expert) pair is computed by exactly one rank.
+Dispatch ("ring of experts", all-gather / reduce-scatter, as MaxText's `use_ring_of_experts`):
+every expert rank all-gathers the tokens (and their routing) of the ep ranks of its group, runs
+*its* El experts on the rows routed to them (other rows go to a dummy group that the grouped
+GEMM leaves at zero), weights and sums each token's rows, and `psum_scatter` returns every
+token's partial sum to the rank that owns it while adding the ep partial sums. Nothing is
+dropped: every (token, expert) pair is computed by exactly one rank.
 Communication is 2 x (ep-1)/ep x tokens x D per layer, independent of K, which suits
 DeepSeek's K = 6..8 (an all-to-all moves K copies of a token). When the MLP width is sharded
 over `tensor`, each rank holds a slice of F and the down projection's partial sums are added

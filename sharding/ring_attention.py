@@ -160,7 +160,7 @@ def local_attention(q, k, v, *, ctx, causal=True, scale=None, segment_ids=None, 
     """`flash_attention` inside `shard_map`: every device attends over its own batch rows and
     heads (the whole sequence; no context axis). A Pallas kernel is one opaque custom call that
     XLA's SPMD partitioner cannot split, so without this it runs on gathered, replicated inputs
-    (4 H200s, fsdp=4: every device computed the global batch's attention, RESULTS.md).
+    (4 H200s, fsdp=4: every device computed the global batch's attention, benchmarks/RESULTS.md).
 
     Args:
       q: [B, T, N, Dqk]; k: [B, S, K, Dqk]; v: [B, S, K, Dv]; segment_ids: None or [B, T] int.

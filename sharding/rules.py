@@ -26,6 +26,7 @@ import threading
 from typing import Any, Mapping, Sequence
 
 import jax
+import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 BATCH_AXES = ("data", "fsdp", "expert")
@@ -172,8 +173,6 @@ def tree_shardings(logical_tree, shapes_tree, mesh, rules: Rules, *, param: bool
 def optimizer_shardings(tx, abstract_opt_state, param_shardings, mesh):
     """Shardings of an optax state: parameter-shaped leaves (Adam mu/nu) take their parameter's
     sharding; everything else (counts, schedule state) is replicated."""
-    import optax
-
     rep = NamedSharding(mesh, P())
     return optax.tree_utils.tree_map_params(
         tx, lambda _, s: s, abstract_opt_state, param_shardings,

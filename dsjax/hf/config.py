@@ -1,9 +1,9 @@
 """HF `config.json` (DeepseekV2ForCausalLM / DeepseekV3ForCausalLM) <-> `ModelConfig`.
 
 Semantics follow transformers 5.24 (`models/deepseek_v{2,3}/configuration_deepseek_v{2,3}.py`,
-`modeling_rope_utils.py`), see ../shared/notes/hf_parity.md sec. 2:
-- RoPE: the legacy `rope_scaling` dict (+ top-level `rope_theta`, `"type": "yarn"`) and the v5
-  `rope_parameters` dict (`rope_type`, `rope_theta` inside) are both read; yarn
+`modeling_rope_utils.py`):
+- RoPE: the legacy `rope_scaling` dict (+ top-level `rope_theta`, `"type": "yarn"`) and the
+  transformers-5 `rope_parameters` dict (`rope_type`, `rope_theta` inside) are both read; yarn
   `original_max_position_embeddings` defaults to `max_position_embeddings` and `factor` to their
   ratio. Only `default` and `yarn` RoPE are supported.
 - V2 routing is always softmax (`greedy` or `group_limited_greedy`); HF V2 never normalises the
@@ -12,7 +12,8 @@ Semantics follow transformers 5.24 (`models/deepseek_v{2,3}/configuration_deepse
 - V3 routing is always sigmoid `noaux_tc` (`topk_method`/`scoring_func` in the file are ignored,
   as HF does); `rope_interleave` defaults to True.
 - `q_lora_rank` null or 0 means no q LoRA. Integer-valued floats and numeric strings are coerced
-  (../shared/cases case 1). `num_key_value_heads` must equal `num_attention_heads` (MLA).
+  (configs in the wild write `rope_scaling` as `factor: 40`, `mscale: 1`, which must become
+  floats). `num_key_value_heads` must equal `num_attention_heads` (MLA).
 Fields that define tensor shapes must be present (`REQUIRED`); the rest take HF's class defaults.
 Every failure is one line: `HFConfigError`.
 """

@@ -1,11 +1,11 @@
 """The one declarative table between HF DeepSeek-V2/V3 state-dict keys and dsjax's pure state.
 
-HF names and shapes: transformers/models/deepseek_v{2,3}/modeling_deepseek_v{2,3}.py and
-../shared/notes/hf_parity.md sec. 1. HF linears are [out, in] (op "T": our kernel = W.T); norms,
-embedding and the router bias are copied ("C"). Our decoder layers are two stacks with a leading
-`layers` axis (`dense_layers` = HF layers 0..first_k_dense_replace-1, `moe_layers` = the rest),
-routed experts a leading `experts` axis ([E, D, F] / [E, F, D]); MTP depth k is HF layer
-`num_hidden_layers + k` and lives at `mtp.layers` (index k) with its decoder block under `block`.
+HF names and shapes: transformers/models/deepseek_v{2,3}/modeling_deepseek_v{2,3}.py. HF
+linears are [out, in] (op "T": our kernel = W.T); norms, embedding and the router bias are
+copied ("C"). Our decoder layers are two stacks with a leading `layers` axis (`dense_layers` =
+HF layers 0..first_k_dense_replace-1, `moe_layers` = the rest), routed experts a leading
+`experts` axis ([E, D, F] / [E, F, D]); MTP depth k is HF layer `num_hidden_layers + k` and
+lives at `mtp.layers` (index k) with its decoder block under `block`.
 
 Import additionally accepts the transformers-v5 fused expert tensors (`FUSED`):
 `mlp.experts.gate_up_proj` [E, 2F, D] (gate rows first) and `mlp.experts.down_proj` [E, D, F].
