@@ -24,7 +24,8 @@ from dsjax.model.rope import softmax_scale
 import torch  # noqa: E402  the test extra: missing torch/transformers fails loudly, never skips
 import transformers  # noqa: E402
 
-from dsjax.hf import parity as P  # noqa: E402
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_parity as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 

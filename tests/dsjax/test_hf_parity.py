@@ -1,16 +1,21 @@
 """Live numerical parity with transformers' DeepSeek-V2/V3 (no downloads; tiny random models).
 
 Each config is built, randomised (router and e_score_correction_bias included), saved with
-`save_pretrained` and loaded back through `dsjax.hf.load_hf`; `dsjax.hf.parity.check` computes all
-measures once per config (module fixture) and the tests below assert on them. Relative error =
-max|ours - HF| / max|HF| over the whole tensor (fp32, HF eager attention and experts).
+`save_pretrained` and loaded back through `dsjax.hf.load_hf`; `hf_parity.check` (beside this file)
+computes all measures once per config (module fixture) and the tests below assert on them.
+Relative error = max|ours - HF| / max|HF| over the whole tensor (fp32, HF eager attention and
+experts).
 """
+import sys
+from pathlib import Path
+
 import pytest
 import torch  # the test extra: a missing torch/transformers fails loudly, never skips
 import transformers
 from packaging.version import Version
 
-from dsjax.hf import parity as P
+sys.path.insert(0, str(Path(__file__).parent))
+import hf_parity as P  # noqa: E402
 
 assert Version(transformers.__version__) >= Version("5.16.1"), "parity needs transformers >= 5.16.1"
 

@@ -1,7 +1,7 @@
 """Peak host memory of loading a large HF DeepSeek checkpoint through `dsjax.hf.load_hf`.
 
-  python -m dsjax.hf.bench_load write DIR [--layers 8] [--shard-gb 2]   # V2-Lite-shaped, random bf16
-  python -m dsjax.hf.bench_load load DIR [--weight-dtype bfloat16]        # prints params, GiB, peak RSS
+  python benchmarks/hf_load.py write DIR [--layers 8] [--shard-gb 2]   # V2-Lite-shaped, random bf16
+  python benchmarks/hf_load.py load DIR [--weight-dtype bfloat16]        # prints params, GiB, peak RSS
 
 `write` streams a DeepSeek-V2-Lite-shaped checkpoint (hidden 2048, 64 routed experts of 1408, 2
 shared, 16 heads, no q LoRA, vocab 102400) with `--layers` layers (V2-Lite has 27) in bf16, one
@@ -16,8 +16,15 @@ import resource
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
+
+from dsjax.hf import load_hf, model_config_from_hf
+from dsjax.hf import mapping as M
+from dsjax.hf.safetensors_io import write_sharded
+from dsjax.model import abstract_model
 
 V2_LITE = {
     "architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "vocab_size": 102400,
@@ -36,10 +43,6 @@ V2_LITE = {
 
 
 def write(out: Path, layers: int, shard_gb: float) -> None:
-    from dsjax.hf import abstract_model, model_config_from_hf
-    from dsjax.hf import mapping as M
-    from dsjax.hf.safetensors_io import write_sharded
-
     hf = dict(V2_LITE, num_hidden_layers=layers)
     cfg = model_config_from_hf(hf)
     _, params, rest = abstract_model(cfg)
@@ -68,11 +71,6 @@ def write(out: Path, layers: int, shard_gb: float) -> None:
 
 
 def load(path: Path, weight_dtype: str, forward: bool) -> None:
-    import jax
-    import jax.numpy as jnp
-
-    from dsjax.hf import load_hf
-
     t0 = time.time()
     cfg, fns, params, rest = load_hf(path, weight_dtype=weight_dtype, dtype="bfloat16")
     jax.block_until_ready(params)
@@ -92,7 +90,7 @@ def load(path: Path, weight_dtype: str, forward: bool) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m dsjax.hf.bench_load", description=__doc__,
+    p = argparse.ArgumentParser(prog="python benchmarks/hf_load.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("cmd", choices=("write", "load"))
     p.add_argument("dir")

@@ -1,9 +1,10 @@
 """Numerical parity of dsjax against transformers' DeepSeek-V2/V3 on tiny random models.
 
-`python -m dsjax.hf.parity [--configs v2_lite,v2,v3] [--json OUT]` builds each tiny HF model with
-every tensor randomised (router and `e_score_correction_bias` included), saves it with
+`python tests/dsjax/hf_parity.py [--configs v2_lite,v2,v3] [--json OUT]` builds each tiny HF model
+with every tensor randomised (router and `e_score_correction_bias` included), saves it with
 `save_pretrained`, loads it through `dsjax.hf.load_hf` and prints the errors below. The tests in
-tests/dsjax/test_hf_parity.py call the same functions. Needs torch + transformers (>= 5.16.1).
+tests/dsjax/test_hf_parity.py (and HF fixtures in test_hf_convert.py) call the same functions.
+Needs the test extra: torch + transformers (>= 5.16.1).
 
 Error measure ("relative error"): rel(a, b) = max|a - b| / max|b| over the whole tensor, b the
 HF/torch reference. (Element-wise ratios are dominated by entries near zero.)
@@ -20,6 +21,16 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import torch
+import transformers
+from flax import nnx
+
+from dsjax import generate as G
+from dsjax.config import ModelConfig
+from dsjax.hf import load_hf
+from dsjax.hf import mapping as M
+from dsjax.hf.safetensors_io import INDEX, SINGLE, SafetensorsCheckpoint, write_sharded
+from dsjax.model.rope import rope_cos_sin
 
 SEQ = 64  # >= 64 so a wrong softmax scale / RoPE shows (invisible at position 0)
 BATCH = 2
@@ -70,8 +81,6 @@ def rel(a, b) -> float:
 
 
 def hf_config(name: str):
-    import transformers
-
     d = dict(TINY[name])
     cls = {"deepseek_v2": transformers.DeepseekV2Config, "deepseek_v3": transformers.DeepseekV3Config}
     return cls[d.pop("model_type")](**d)
@@ -81,8 +90,6 @@ def randomize_(model, seed: int, bias_scale: float = 0.1, only: str = "") -> Non
     """Every parameter and buffer of the DeepSeek model to random values of O(1) activations:
     norms 1 + 0.2 N, linears N / sqrt(fan_in) (fan_in = last dim, also for fused experts), router
     2 N / sqrt(D), embedding N, router bias bias_scale * N."""
-    import torch
-
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         named = list(model.named_parameters()) + [(n, b) for n, b in model.named_buffers()
@@ -112,8 +119,6 @@ def condition_(model, seed: int, out_scale: float = 0.25, head_mix: float = 0.1)
     embedding rows). Median top-1 probability goes from ~0.04 to ~0.4, so top-1 agreement
     measures the implementation, not bf16 noise on near-ties (HF bf16 vs HF fp32 on the plain
     random model agrees on only ~96% of tokens)."""
-    import torch
-
     g = torch.Generator().manual_seed(seed + 7)
     with torch.no_grad():
         for n, p in model.named_parameters():
@@ -126,9 +131,6 @@ def condition_(model, seed: int, out_scale: float = 0.25, head_mix: float = 0.1)
 
 def build_hf(name: str, seed: int = 0):
     """Tiny random HF DeepSeek model (fp32, eager attention and experts)."""
-    import torch
-    import transformers
-
     cfg = hf_config(name)
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -141,9 +143,6 @@ def build_hf(name: str, seed: int = 0):
 
 
 def load_eager(path, dtype="float32"):
-    import torch
-    import transformers
-
     kw = dict(dtype=getattr(torch, dtype), attn_implementation="eager")
     try:
         m = transformers.AutoModelForCausalLM.from_pretrained(path, experts_implementation="eager", **kw)
@@ -184,8 +183,6 @@ def mtp_tensors(mtp, num_hidden_layers: int) -> dict:
 
 def add_tensors(path: Path, tensors: dict, fname: str = "model-extra.safetensors") -> None:
     """Add tensors to a saved HF dir in a new shard, converting it to the indexed layout."""
-    from dsjax.hf.safetensors_io import INDEX, SINGLE, SafetensorsCheckpoint, write_sharded
-
     path = Path(path)
     ck = SafetensorsCheckpoint(path)
     wm = {k: ck.file(k).name for k in ck.keys()}
@@ -205,10 +202,6 @@ def add_tensors(path: Path, tensors: dict, fname: str = "model-extra.safetensors
 def layer_outputs(model, tokens):
     """dsjax per-layer hidden states [L + 1] x [B, T, D] in HF's `output_hidden_states` convention
     (embedding, each layer's output, the last one replaced by the final normed hidden)."""
-    from flax import nnx
-
-    from dsjax.model.rope import rope_cos_sin
-
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     seg = jnp.ones((B, T), jnp.int32)
@@ -256,28 +249,18 @@ def hf_grads_on_disk(model) -> dict:
 def check(name: str, workdir: Path, *, seed: int = 0, decode_tokens: int = 32, grads: bool = True,
           bf16: bool = True, verbose: bool = False, impl: str = "reference") -> dict:
     """Run every parity measure for tiny config `name`; returns a dict of numbers."""
-    import torch
-
-    from dsjax import generate as G
-    from dsjax.hf import load_hf
-    from dsjax.hf import mapping as M
-
     res: dict = {"config": name}
     hf = build_hf(name, seed)
     path = Path(workdir) / name
     hf.save_pretrained(path)
     mtp = hf_mtp_model(hf, seed) if getattr(hf.config, "num_nextn_predict_layers", 0) else None
     if getattr(hf.config, "num_nextn_predict_layers", 0) and mtp is None:
-        import transformers
-
         res["mtp_unavailable"] = f"transformers {transformers.__version__} has no usable MtpModel"
     if mtp is not None:
         add_tensors(path, mtp_tensors(mtp, hf.config.num_hidden_layers))
     hf = load_eager(path)  # as a user would; fused experts in memory, eager kernels
     if mtp is not None:
         mtp.tie_with_main_model(hf)
-    from dsjax.config import ModelConfig
-
     base = ModelConfig(attention_impl=impl, moe_impl=impl)
     cfg, fns, params, rest = load_hf(path, base)
     model = fns.merge(params, rest)
@@ -365,16 +348,13 @@ def check(name: str, workdir: Path, *, seed: int = 0, decode_tokens: int = 32, g
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(prog="python -m dsjax.hf.parity", description=__doc__,
+    p = argparse.ArgumentParser(prog="python tests/dsjax/hf_parity.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--configs", default=",".join(TINY))
     p.add_argument("--json", default=None, help="write the results here")
     p.add_argument("--impl", default="reference", help="dsjax attention_impl/moe_impl (auto|pallas|reference)")
     p.add_argument("--torch-device", default="cpu", help="where the HF reference runs (cpu|cuda)")
     args = p.parse_args()
-    import torch
-    import transformers
-
     global TORCH_DEVICE
     TORCH_DEVICE = args.torch_device
 
