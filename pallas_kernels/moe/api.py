@@ -10,8 +10,7 @@ Backends (`impl`):
   "auto":      "pallas" on a Hopper GPU when the shapes fit the kernels, else "reference".
 permute: "reference" is a stable argsort + XLA row gather; "pallas" (and "auto" on Hopper) is
 a stable counting sort (dispatch.py, same perm) + a Mosaic GPU row-scatter kernel that reads
-each token row once and writes its K copies (which sort and kernel: `dispatch.DEFAULT_PERMUTE`,
-a `dispatch.PermuteConfig`). Its gradient is a K-row gather + fp32 sum per
+each token row once and writes its K copies. Its gradient is a K-row gather + fp32 sum per
 token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend; gradients
 are inverse gathers (no scatter-add).
 
@@ -26,12 +25,12 @@ dp[t,k] = <y[slot(t,k)], dout[t]>.
 """
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels._hopper import on_hopper
 from pallas_kernels.moe import dispatch, mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference,
@@ -71,7 +70,7 @@ def _resolve(impl, x, w):
         if reason:
             raise ValueError(f"impl='pallas': {reason}")
         return "pallas"
-    return "pallas" if (reason is None and mosaic_gpu.on_hopper()) else "reference"
+    return "pallas" if (reason is None and on_hopper()) else "reference"
 
 
 # ----------------------------------------------------------------------------- permute
@@ -95,20 +94,17 @@ def _gather_rows_bwd(k, perm, g):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _scatter_rows(x, dest, config):
-    out = dispatch.scatter_rows(x, dest, method=config.method, rows=config.rows,
-                                nbuf=config.nbuf, ctas_per_sm=config.ctas_per_sm,
-                                write_perm=config.write_perm)
-    return out if config.write_perm else (out, None)
+@jax.custom_vjp
+def _scatter_rows(x, dest):
+    return dispatch.scatter_rows(x, dest)
 
 
-def _scatter_rows_fwd(x, dest, config):
-    return _scatter_rows(x, dest, config), dest
+def _scatter_rows_fwd(x, dest):
+    return _scatter_rows(x, dest), dest
 
 
-def _scatter_rows_bwd(config, dest, g):
-    return dispatch.gather_back(g[0], dest), None
+def _scatter_rows_bwd(dest, g):
+    return dispatch.gather_back(g, dest), None
 
 
 _scatter_rows.defvjp(_scatter_rows_fwd, _scatter_rows_bwd)
@@ -122,7 +118,7 @@ def _permute_backend(impl, x, k):
         if reason:
             raise ValueError(f"impl='pallas': {reason}")
         return "pallas"
-    return "pallas" if (reason is None and mosaic_gpu.on_hopper()) else "reference"
+    return "pallas" if (reason is None and on_hopper()) else "reference"
 
 
 def permute(x, topk_ids, *, num_experts, impl="auto"):
@@ -135,21 +131,15 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
       x_sorted [T*K, D] (x.dtype; rows grouped by expert, stable within an expert),
       group_sizes [E] int32, perm [T*K] int32 (sorted row i is routed slot perm[i] = t*K + k).
       Differentiable in x: dx[t] = sum_k dx_sorted[slot(t, k)] (fp32 sum).
-      "pallas"/"auto" on Hopper: the routing sort and Mosaic GPU row kernel of
-      `dispatch.DEFAULT_PERMUTE` (bit-identical to "reference"); "pallas" raises
+      "pallas"/"auto" on Hopper: `dispatch.counting_sort_by_expert` and the Mosaic GPU row
+      kernel `dispatch.scatter_rows` (bit-identical to "reference"); "pallas" raises
       ValueError when a row is not a multiple of 128 bytes.
     """
     _check(impl)
     t, k = topk_ids.shape
     if _permute_backend(impl, x, k) == "pallas":
-        cfg = dispatch.DEFAULT_PERMUTE
-        method = dispatch.resolve_method(cfg, x, k)
-        cfg = dataclasses.replace(cfg, method=method,
-                                  write_perm=cfg.write_perm and method == "simt")
-        group_sizes, perm, dest = dispatch.routing_sort(topk_ids, num_experts, cfg,
-                                                          with_perm=not cfg.write_perm)
-        x_sorted, kernel_perm = _scatter_rows(x, dest, cfg)
-        return x_sorted, group_sizes, (kernel_perm if cfg.write_perm else perm)
+        group_sizes, perm, dest = dispatch.counting_sort_by_expert(topk_ids, num_experts)
+        return _scatter_rows(x, dest), group_sizes, perm
     group_sizes, perm = sort_by_expert(topk_ids, num_experts)
     return _gather_rows(x, perm, k), group_sizes, perm
 

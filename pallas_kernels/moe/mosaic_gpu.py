@@ -9,17 +9,18 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
 * `gmm`:  out[M, N] = x[M, Kc] @ w[g(row)] (`transpose_rhs`: @ w[g]^T). Work items are
   (row tile, column tile) pairs; a row tile is tm rows of x holding rows of one group, from a
   (group, first row, lo, hi) table computed outside the kernel with jnp (the kernel's size
-  does not grow with E). v3 default (TileConfig aligned=True, wg_split="n"): a group's row
-  tiles start at its 8-aligned first row (cdiv(s + 7, tm) tiles for s rows, where the fixed
-  tm grid of v1 (aligned=False) visits every boundary block once per group), and each compute
-  warpgroup owns tn columns of all tm rows. Option wg_split="m": each warpgroup owns tm/2
+  does not grow with E). A group's row tiles start at its 8-aligned first row, so a group of
+  s rows takes cdiv(s + 7, tm) tiles (a fixed tm grid would visit every boundary block once
+  per group). wg_split="n" (the forward's default): each compute warpgroup owns tn columns
+  of all tm rows. wg_split="m" (the default of dx, `transpose_rhs`): each warpgroup owns tm/2
   rows x all 2*tn columns and skips its wgmma when its rows hold none of the group (64-row
-  compute granularity at group ends); measured slower on the H200 (it reads 25% more SMEM
-  per k-step: 64x64 of A + 64x256 of B per warpgroup instead of 128x64 + 64x128). Only the
-  group's rows are stored (a TMA store per set bit of the row count). Rows past sum(group_sizes) are
-  written as zeros. epilogue="swiglu": weight columns come gate/up interleaved in blocks of
-  half a warpgroup's columns (`interleave_gate_up`, 64 by default), so each warpgroup's
-  accumulator holds matching gate and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
+  compute granularity at group ends); it reads 25% more SMEM per k-step (64x64 of A + 64x256
+  of B per warpgroup instead of 128x64 + 64x128), which made the forward slower on the H200
+  and dx = dy @ w^T faster. Only the group's rows are stored (a TMA store per set bit of the
+  row count). Rows past sum(group_sizes) are written as zeros. epilogue="swiglu": weight
+  columns come gate/up interleaved in blocks of half a warpgroup's columns
+  (`interleave_gate_up`, 64 by default), so each warpgroup's accumulator holds matching gate
+  and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
   the backward, optionally the pre-activation h [M, N].
 * `tgmm`: dw[E, Kx, N] = per group x[rows]^T @ dy[rows] (the ragged dimension is the
   contraction). Work items are (group, Kx tile, N tile); the pipeline walks the group's
@@ -43,6 +44,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import default_interpret, num_sms
+
 _SMEM_BYTES = 227 * 1024 - 4096  # usable dynamic SMEM per CTA on sm90, minus barrier slack
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
@@ -52,11 +55,9 @@ class TileConfig:
     """Tile sizes and work split of the grouped GEMM kernels.
 
     A CTA tile is tile_m rows x 2*tile_n columns. wg_split "n": each of the two compute
-    warpgroups owns tile_n columns and all tile_m rows (v1). wg_split "m" (gmm only): each
+    warpgroups owns tile_n columns and all tile_m rows. wg_split "m" (gmm only): each
     owns tile_m/2 rows and all 2*tile_n columns, and a warpgroup whose rows hold none of the
     work item's group skips its wgmma (64-row compute granularity at group boundaries).
-    aligned: row tiles start at each group's 8-aligned first row (gmm only) instead of on a
-    fixed tile_m grid, so a group of s rows needs cdiv(s + 7, tile_m) tiles.
     """
     tile_m: int = 128
     tile_n: int = 128
@@ -64,31 +65,13 @@ class TileConfig:
     max_concurrent_steps: int = 4
     memory_registers: int = 40
     wg_split: str = "n"
-    aligned: bool = True
 
 
 DEFAULT_CONFIG = TileConfig()
 # dx = dy @ w^T (transposed B): rows split between warpgroups measured faster at V2-Lite on the
-# H200 (run 1 of v3: backward 3.29 ms with the row split vs 3.86 ms with the column split).
+# H200 (backward 3.29 ms with the row split vs 3.86 ms with the column split; at V3 the gate/up
+# GEMM's fwd+bwd took 30.3 ms with it vs 29.3 ms without).
 TRANSPOSED_CONFIG = TileConfig(wg_split="m")
-
-
-def on_hopper() -> bool:
-    """True when the default backend is a CUDA GPU of compute capability 9.x."""
-    try:
-        dev = jax.devices()[0]
-    except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-
-
-def _interpret_params():
-    """None on a Hopper GPU; GPU interpret mode (CPU simulation, for tests) elsewhere."""
-    return None if on_hopper() else plgpu.InterpretGPUParams()
-
-
-def _num_sms() -> int:
-    return jax.devices()[0].core_count if on_hopper() else 2
 
 
 def _transforms(minor_elems, dtype):
@@ -119,16 +102,15 @@ def check_dtypes(*arrays):
                          f"{[str(a.dtype) for a in arrays]}")
 
 
-def row_tile_table(group_sizes, m, tile_m, aligned=True):
+def row_tile_table(group_sizes, m, tile_m):
     """Work table of the forward kernel: int32 [4, num_columns].
 
     Column t describes row tile t: (group, row0, lo, hi) meaning rows [row0 + lo, row0 + hi)
     of x belong to `group` (0 <= lo < hi <= tile_m, row0 a multiple of 8 with
     row0 + tile_m <= m). Group E stands for rows past sum(group_sizes) (written as zeros).
-    Unused columns have lo == hi == 0. aligned=False: tiles on the fixed grid row0 =
-    block * tile_m (a boundary block is visited once per group it holds); aligned=True
-    (needs m % 8 == 0 and m >= tile_m): each group's tiles start at its 8-aligned first row,
-    and a tile that would run past m is shifted back to end at m.
+    Unused columns have lo == hi == 0. Each group's tiles start at its 8-aligned first row,
+    and a tile that would run past m is shifted back to end at m (needs m % 8 == 0 and
+    m >= tile_m).
     """
     e = group_sizes.shape[0]
     gs = group_sizes.astype(jnp.int32)
@@ -137,14 +119,9 @@ def row_tile_table(group_sizes, m, tile_m, aligned=True):
     starts = jnp.concatenate([ends - gs, total[None]])
     ends = jnp.concatenate([ends, jnp.full((1,), m, jnp.int32)])
     sizes = ends - starts
-    if aligned:
-        base = starts // 8 * 8
-        ntiles = jnp.where(sizes > 0, (ends - base + tile_m - 1) // tile_m, 0)
-        num = -(-(m + 7 * (e + 1)) // tile_m) + e + 1
-    else:
-        base = starts // tile_m * tile_m
-        ntiles = jnp.where(sizes > 0, (ends - 1) // tile_m - starts // tile_m + 1, 0)
-        num = -(-m // tile_m) + e
+    base = starts // 8 * 8
+    ntiles = jnp.where(sizes > 0, (ends - base + tile_m - 1) // tile_m, 0)
+    num = -(-(m + 7 * (e + 1)) // tile_m) + e + 1
     tile_end = jnp.cumsum(ntiles)
     tile_start = tile_end - ntiles
     t = jnp.arange(num, dtype=jnp.int32)
@@ -153,9 +130,8 @@ def row_tile_table(group_sizes, m, tile_m, aligned=True):
     row0 = base[g] + (t - tile_start[g]) * tile_m
     lo = jnp.maximum(starts[g] - row0, 0)
     hi = jnp.minimum(ends[g] - row0, tile_m)
-    if aligned:
-        shift = jnp.maximum(row0 + tile_m - m, 0)
-        row0, lo, hi = row0 - shift, lo + shift, hi + shift
+    shift = jnp.maximum(row0 + tile_m - m, 0)
+    row0, lo, hi = row0 - shift, lo + shift, hi + shift
     zero = jnp.zeros_like(t)
     return jnp.stack([g, jnp.where(valid, row0, zero), jnp.where(valid, lo, zero),
                       jnp.where(valid, hi, zero)]).astype(jnp.int32)
@@ -279,14 +255,14 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         raise ValueError(f"Mosaic GPU grouped GEMM needs at least tile_m={tm} rows, got {m}")
     if split_m and tm % 128:
         raise ValueError(f"wg_split 'm' needs tile_m a multiple of 128, got {tm}")
-    m_pad = -m % 8 if config.aligned else 0
-    if m_pad:  # aligned tiles need 8-aligned row offsets up to m - tile_m
+    m_pad = -m % 8
+    if m_pad:  # row tiles need 8-aligned row offsets up to m - tile_m
         x = jnp.pad(x, ((0, m_pad), (0, 0)))
     mp = m + m_pad
     cta_n = 2 * tn
     grid_n = n // cta_n
     k_steps = kc // tk
-    table = row_tile_table(group_sizes, mp, tm, aligned=config.aligned)
+    table = row_tile_table(group_sizes, mp, tm)
     num_tiles = table.shape[1]
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
@@ -411,13 +387,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     call = plgpu.kernel(
         kernel,
         out_type=tuple(out_type),
-        grid=(_num_sms(),),
+        grid=(num_sms(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params(),
+        interpret=default_interpret(),
     )
     outs = [o[:m] if m_pad else o for o in call(table, x, w)]
     return tuple(outs) if return_h else outs[0]
@@ -548,12 +524,12 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((e, kx, n), out_dtype),
-        grid=(_num_sms(),),
+        grid=(num_sms(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params(),
+        interpret=default_interpret(),
     )
     return call(starts, gs, x, dy)

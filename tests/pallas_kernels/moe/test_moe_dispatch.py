@@ -7,6 +7,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _hopper
 from pallas_kernels.moe import gate_up_swiglu, grouped_matmul, permute, unpermute
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
@@ -123,28 +124,25 @@ def test_impl_validation():
     np.testing.assert_allclose(out, 2.0)
 
 
-@pytest.mark.parametrize("aligned", [True, False])
-def test_row_tile_table_covers_every_row_once(aligned):
+def test_row_tile_table_covers_every_row_once():
     m, tm, e = 1000, 128, 16
     for kind in ("zipf", "one", "tail", "uniform"):
         gs = group_sizes_of(kind, m, e, seed=5)
-        table = np.asarray(mosaic_gpu.row_tile_table(gs, m, tm, aligned=aligned))
+        table = np.asarray(mosaic_gpu.row_tile_table(gs, m, tm))
         owner = np.full(m, -1)
         for g, row0, lo, hi in table.T:
             if hi == lo:
                 continue
-            assert row0 % 8 == 0 and 0 <= lo < hi <= tm
-            if aligned:
-                assert row0 + tm <= m
+            assert row0 % 8 == 0 and 0 <= lo < hi <= tm and row0 + tm <= m
             rows = np.arange(row0 + lo, row0 + hi)
             assert np.all(owner[rows] == -1)
             owner[rows] = g
         ends = np.cumsum(np.asarray(gs))
         np.testing.assert_array_equal(owner, np.searchsorted(ends, np.arange(m), side="right"))
-        if aligned:  # a group of s rows takes at most cdiv(s + 7, tm) tiles
-            sizes = np.append(np.asarray(gs), m - np.asarray(gs).sum())
-            used = np.bincount(table[0][table[3] > table[2]], minlength=e + 1)
-            assert np.all(used <= -(-(sizes + 7) // tm))
+        # a group of s rows takes at most cdiv(s + 7, tm) tiles
+        sizes = np.append(np.asarray(gs), m - np.asarray(gs).sum())
+        used = np.bincount(table[0][table[3] > table[2]], minlength=e + 1)
+        assert np.all(used <= -(-(sizes + 7) // tm))
 
 
 # --- Mosaic GPU kernels in GPU interpret mode (bf16 operands, fp32 reference on the same values)
@@ -157,11 +155,11 @@ def _operands(m, kd, n, e, seed):
     return x, w, dy
 
 
-# configs: v3 default (group-aligned row tiles, columns split between warpgroups; dx with rows
-# split, TRANSPOSED_CONFIG) and the other options together: fixed tile grid (v1) with rows split
-# between warpgroups (half-tile wgmma skipping); "tail" has m = 379 (not a multiple of 8: padded
-# inside gmm)
-M_CONFIG = mosaic_gpu.TileConfig(wg_split="m", aligned=False)
+# configs: the default (columns split between warpgroups; dx with rows split,
+# TRANSPOSED_CONFIG) and the forward with rows split between warpgroups (half-tile wgmma
+# skipping; its fused SwiGLU interleaves in blocks of 128); "tail" has m = 379 (not a multiple
+# of 8: padded inside gmm)
+M_CONFIG = mosaic_gpu.TileConfig(wg_split="m")
 
 
 @pytest.mark.parametrize("kind,e,config", [("zipf", 8, None), ("one", 4, None), ("tail", 6, None),
@@ -259,116 +257,64 @@ from pallas_kernels.moe import dispatch  # noqa: E402
 from pallas_kernels.moe.reference import sort_by_expert  # noqa: E402
 
 
-@pytest.mark.parametrize("t,k,e,block,method,prefix,counts", [
-    (50, 6, 64, 256, "compare", "cumsum", "compare"), (37, 3, 8, 16, "compare", "lean", "scatter"),
-    (1, 1, 4, 256, "compare", "cumsum", "compare"), (300, 8, 256, 64, "compare", "lean", "scatter"),
-    (129, 2, 5, 8, "compare", "dot", "compare"), (300, 8, 256, 64, "matmul", "cumsum", "compare"),
-    (37, 3, 8, 16, "matmul", "lean", "compare"), (300, 6, 64, 32, "compare", "dot", "scatter")])
-def test_counting_sort_matches_stable_argsort(t, k, e, block, method, prefix, counts):
+@pytest.mark.parametrize("t,k,e,block", [(50, 6, 64, 256), (37, 3, 8, 16), (1, 1, 4, 256),
+                                         (300, 8, 256, 64), (129, 2, 5, 8), (300, 6, 64, 32),
+                                         (300, 8, 256, None), (50, 6, 64, None)])
+def test_counting_sort_matches_stable_argsort(t, k, e, block):
     rng = np.random.default_rng(t + e)
     ids = rng.integers(0, e, (t, k))  # repeats within a token too: ties must stay in slot order
     if t > 100:
         ids[: t // 2] = e // 3  # one heavy expert across many sort blocks
     ids = jnp.asarray(ids, jnp.int32)
-    gs, perm, dest = dispatch.counting_sort_by_expert(ids, e, block=block, method=method,
-                                                      prefix=prefix, counts=counts)
+    gs, perm, dest = dispatch.counting_sort_by_expert(ids, e, block=block)
     gs_ref, perm_ref = sort_by_expert(ids, e)
     assert gs.dtype == perm.dtype == dest.dtype == jnp.int32
     np.testing.assert_array_equal(np.asarray(gs), np.asarray(gs_ref))
     np.testing.assert_array_equal(np.asarray(perm), np.asarray(perm_ref))
     np.testing.assert_array_equal(np.asarray(dest).reshape(-1)[np.asarray(perm)], np.arange(t * k))
-    _, no_perm, dest2 = dispatch.counting_sort_by_expert(ids, e, block=block, method=method,
-                                                         prefix=prefix, counts=counts,
-                                                         with_perm=False)
-    assert no_perm is None
-    np.testing.assert_array_equal(np.asarray(dest2), np.asarray(dest))
 
 
-@pytest.mark.parametrize("t,k,e", [(50, 6, 64), (1, 1, 4), (300, 8, 256)])
-def test_radix_sort_and_default_routing_sort_match_stable_argsort(t, k, e):
-    ids = np.random.default_rng(t).integers(0, e, (t, k))
-    ids[: t // 2] = e - 1
-    ids = jnp.asarray(ids, jnp.int32)
-    gs_ref, perm_ref = sort_by_expert(ids, e)
-    for cfg in (dispatch.PermuteConfig(sort="radix"), dispatch.PermuteConfig()):
-        gs, perm, dest = dispatch.routing_sort(ids, e, cfg)
-        np.testing.assert_array_equal(np.asarray(gs), np.asarray(gs_ref))
-        np.testing.assert_array_equal(np.asarray(perm), np.asarray(perm_ref))
-        np.testing.assert_array_equal(np.asarray(dest).reshape(-1)[np.asarray(perm)],
-                                      np.arange(t * k))
-    with pytest.raises(ValueError, match="sort"):
-        dispatch.routing_sort(ids, e, dispatch.PermuteConfig(sort="bitonic"))
+def test_sort_block_for():
     assert [dispatch.sort_block_for(n) for n in (4, 64, 256)] == [16, 32, 64]
 
 
-# row kernels: (method, extra kwargs); tma_pipe with a small grid so each CTA walks the ring
-# several times (ragged T: the last block is shifted and skips rows)
-ROW_KERNELS = [("tma", {}), ("tma_pipe", dict(nbuf=3, grid_ctas=3)),
-               ("tma_pipe", dict(nbuf=2, grid_ctas=2)), ("simt", {}),
-               ("simt", dict(write_perm=True))]
-
-
-@pytest.mark.parametrize("method,extra", ROW_KERNELS)
 @pytest.mark.parametrize("t,k,d,rows,dtype", [(37, 3, 128, 4, jnp.bfloat16),   # ragged last block
                                               (5, 2, 256, None, jnp.float32),
                                               (16, 6, 1024, None, jnp.bfloat16),
-                                              (3, 8, 256, 2, jnp.bfloat16)])
-def test_scatter_rows_kernels_exact(method, extra, t, k, d, rows, dtype):
+                                              (3, 8, 256, 2, jnp.bfloat16),
+                                              (5, 2, 64, None, jnp.float32)])  # 256-byte rows
+def test_scatter_rows_exact(t, k, d, rows, dtype):
     x = jax.random.normal(jax.random.key(t), (t, d)).astype(dtype)
     ids = jnp.asarray(np.random.default_rng(k).integers(0, 8, (t, k)), jnp.int32)
     _, perm, dest = dispatch.counting_sort_by_expert(ids, 8)
-    out = dispatch.scatter_rows(x, dest, method=method, rows=rows, **extra)
-    if extra.get("write_perm"):
-        out, kperm = out
-        np.testing.assert_array_equal(np.asarray(kperm), np.asarray(perm))
+    out = dispatch.scatter_rows(x, dest, rows=rows)
     assert out.shape == (t * k, d) and out.dtype == dtype
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[np.asarray(perm) // k])
 
 
-def test_scatter_rows_tma_small_rows_and_errors():
-    x = jax.random.normal(jax.random.key(0), (5, 64), jnp.float32)  # 256-byte rows: tma only
-    _, perm, dest = dispatch.counting_sort_by_expert(jnp.asarray([[0, 1]] * 5, jnp.int32), 2)
-    out = dispatch.scatter_rows(x, dest)
-    np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[np.asarray(perm) // 2])
-    with pytest.raises(ValueError, match="multiple of 128"):
-        dispatch.scatter_rows(x, dest, method="simt")
-    with pytest.raises(ValueError, match="write_perm"):
-        dispatch.scatter_rows(x, dest, write_perm=True)
-    with pytest.raises(ValueError, match="method"):
-        dispatch.scatter_rows(x, dest, method="gather")
-    # a config asking for simt falls back to tma where simt cannot take the row width
-    assert dispatch.resolve_method(dispatch.PermuteConfig(method="simt"), x, 2) == "tma"
+def test_scatter_rows_errors():
+    dest = jnp.asarray([[0, 1]] * 4, jnp.int32)
+    with pytest.raises(ValueError, match="multiple of 128"):  # 6 bf16 = 12-byte rows
+        dispatch.scatter_rows(jnp.ones((4, 6), jnp.bfloat16), dest)
+    with pytest.raises(ValueError, match="SMEM"):
+        dispatch.scatter_rows(jnp.ones((4, 64 * 1024), jnp.bfloat16), dest)
 
 
-@pytest.mark.skipif(mosaic_gpu.on_hopper(), reason="race detection runs in CPU interpret mode")
-def test_row_kernels_no_races():
-    """GPU interpret mode with race detection: the pipelined ring (TMA loads refilling buffers
-    that earlier bulk stores read) and the simt kernel writing perm, ragged T."""
+@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
+def test_scatter_rows_no_races():
+    """GPU interpret mode with race detection, ragged T (the last block shifted back)."""
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-    from jax.experimental.pallas import mosaic_gpu as plgpu
     t, k, d = 21, 3, 256
     x = jax.random.normal(jax.random.key(5), (t, d)).astype(jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(5).integers(0, 6, (t, k)), jnp.int32)
     _, perm, dest = dispatch.counting_sort_by_expert(ids, 6)
-    ref = np.asarray(x)[np.asarray(perm) // k]
-    ip = plgpu.InterpretGPUParams(detect_races=True)
-    for method, extra in (("tma_pipe", dict(nbuf=2, grid_ctas=2, rows=2)),
-                          ("simt", dict(write_perm=True, rows=4)), ("tma", dict(rows=4))):
-        out = dispatch.scatter_rows(x, dest, method=method, interpret=ip, **extra)
-        if method == "simt":
-            out, kperm = out
-            np.testing.assert_array_equal(np.asarray(kperm), np.asarray(perm))
-        np.testing.assert_array_equal(np.asarray(out), ref)
-        assert not gpu_callbacks.get_races().races_found, method
+    out = dispatch.scatter_rows(x, dest, rows=4,
+                                interpret=_hopper.interpret_params(detect_races=True))
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[np.asarray(perm) // k])
+    assert not gpu_callbacks.get_races().races_found
 
 
-@pytest.mark.parametrize("config", [
-    dispatch.PermuteConfig(),  # the default (tma rows, counting sort S=sort_block_for(E))
-    dispatch.PermuteConfig(sort_block=256, sort_prefix="cumsum", sort_counts="compare"),  # v3
-    dispatch.PermuteConfig(method="simt", write_perm=True),  # perm written by the kernel
-    dispatch.PermuteConfig(method="tma_pipe", rows=2, sort="radix")])
-def test_permute_pallas_bit_identical_to_reference_with_grad(config, monkeypatch):
-    monkeypatch.setattr(dispatch, "DEFAULT_PERMUTE", config)
+def test_permute_pallas_bit_identical_to_reference_with_grad():
     t, k, e, d = 21, 6, 16, 128
     x = jax.random.normal(jax.random.key(2), (t, d)).astype(jnp.bfloat16)
     ids = routing("zipf", t, k, e, seed=4)
