@@ -150,6 +150,8 @@ class OptimConfig:
     eps: float = 1e-8
     weight_decay: float = 0.1
     grad_clip_norm: float = 1.0
+    mu_dtype: str = "float32"  # Adam first moment
+    nu_dtype: str = "float32"  # Adam second moment (bfloat16 halves the optimizer's bytes)
 
 
 @dataclass(frozen=True)
@@ -394,6 +396,8 @@ _CHOICES = {
     "mesh.cp_layout": ("striped", "contiguous"),
     "distributed.cpu_collectives": ("gloo", "mpi"),
     "optim.schedule": ("cosine", "wsd", "constant"),
+    "optim.mu_dtype": ("float32", "bfloat16"),
+    "optim.nu_dtype": ("float32", "bfloat16"),
     "model.rope_scaling.type": ("yarn",),
 }
 

@@ -123,29 +123,37 @@ class DeepSeekModel(nnx.Module):
             aux = stats  # each [L_moe, ...]
         return self.norm(h), aux
 
+    def lm_head_weight(self, dtype):
+        """The output projection [D, V] in `dtype`: lm_head.kernel, or the transposed embedding
+        table when tie_word_embeddings."""
+        if self.lm_head is None:
+            return self.embed_tokens[...].astype(dtype).T
+        return self.lm_head.kernel[...].astype(dtype)
+
     def logits(self, h):
         """h [B, T, D] -> logits [B, T, V] float32: the lm_head matmul takes compute-dtype inputs
         but writes fp32, so the cross-entropy never sees bf16-rounded logits (a bf16 log-softmax
-        over a 100k vocabulary visibly quantises the loss; HF keeps them in the model dtype)."""
-        if self.lm_head is None:
-            w = self.embed_tokens[...].astype(h.dtype).T
-        else:
-            w = self.lm_head.kernel[...].astype(h.dtype)
-        return lm_head_matmul(h, w)
+        over a 100k vocabulary visibly quantises the loss; HF keeps them in the model dtype).
+        Training uses `dsjax.model.lm_loss.lm_head_loss`, which never keeps these logits."""
+        return lm_head_matmul(h, self.lm_head_weight(h.dtype))
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         h, aux = self.hidden_states(tokens, positions, segment_ids)
         return self.logits(h), aux
 
-    def mtp_logits(self, h, tokens, positions=None, segment_ids=None):
-        """MTP logits from the final normed hidden h [B, T, D] and the inputs tokens [B, T].
+    def mtp_hidden(self, h, tokens, positions=None, segment_ids=None):
+        """MTP hidden states from the final normed hidden h [B, T, D] and the inputs tokens [B, T].
 
-        Returns (list of K logits [B, T, V], depth k at position i predicting token i + k + 2;
-        list of K MoE stats dicts). See dsjax/model/mtp.py for the maths and `mtp_targets` for
-        the matching targets and mask.
+        Returns (list of K normed hidden [B, T, D], depth k at position i predicting token
+        i + k + 2 through `lm_head_weight`; list of K MoE stats dicts). See dsjax/model/mtp.py
+        for the maths and `mtp_targets` for the matching targets and mask.
         """
         segment_ids, cos, sin = self._rope_inputs(tokens, positions, segment_ids)
-        hs, stats = self.mtp(h, tokens, self.embed, cos, sin, segment_ids, self.scale)
+        return self.mtp(h, tokens, self.embed, cos, sin, segment_ids, self.scale)
+
+    def mtp_logits(self, h, tokens, positions=None, segment_ids=None):
+        """`mtp_hidden` projected to fp32 logits: (list of K [B, T, V], list of K stats dicts)."""
+        hs, stats = self.mtp_hidden(h, tokens, positions, segment_ids)
         return [self.logits(x) for x in hs], stats
 
     # -- generation with the MLA latent cache --------------------------------------------------

@@ -2,6 +2,8 @@
 
 clip_by_global_norm -> AdamW (decay mask: no decay on norms, biases) with a warmup + cosine / WSD /
 constant schedule. Router biases (noaux_tc) are not parameters and never reach the optimizer.
+The Adam moments have fixed dtypes (`optim.mu_dtype`, `optim.nu_dtype`) whatever the dtypes of
+the weights and gradients: the moment update runs in fp32 and is rounded once on store.
 """
 from __future__ import annotations
 
@@ -40,12 +42,54 @@ def decay_mask(params):
     return jax.tree_util.tree_map_with_path(keep, params)
 
 
+def scale_by_adam(b1: float, b2: float, eps: float, mu_dtype, nu_dtype) -> optax.GradientTransformation:
+    """Adam's direction m_hat / (sqrt(v_hat) + eps) (Kingma & Ba 2015, Alg. 1) with moments
+    stored in `mu_dtype` / `nu_dtype`.
+
+    Gradients of any float dtype (bf16 when the step differentiates the compute-dtype weights)
+    are read once; m and v are updated in fp32 and the update is computed from those fp32 values
+    before they are rounded for storage. The state is `optax.ScaleByAdamState`, so checkpoints and
+    `sharding.rules.optimizer_shardings` see the same tree as `optax.scale_by_adam`'s. The updates
+    are fp32.
+    """
+    def init_fn(params):
+        return optax.ScaleByAdamState(
+            count=jnp.zeros([], jnp.int32),
+            mu=jax.tree.map(lambda p: jnp.zeros(p.shape, mu_dtype), params),
+            nu=jax.tree.map(lambda p: jnp.zeros(p.shape, nu_dtype), params))
+
+    def update_fn(updates, state, params=None):
+        del params
+        count = optax.safe_increment(state.count)
+        c1 = 1 - jnp.asarray(b1, jnp.float32) ** count
+        c2 = 1 - jnp.asarray(b2, jnp.float32) ** count
+
+        def one(g, m, v):
+            g = g.astype(jnp.float32)
+            m = (1 - b1) * g + b1 * m.astype(jnp.float32)
+            v = (1 - b2) * (g * g) + b2 * v.astype(jnp.float32)
+            u = (m / c1) / (jnp.sqrt(v / c2) + eps)
+            return u, m.astype(mu_dtype), v.astype(nu_dtype)
+
+        out = jax.tree.map(one, updates, state.mu, state.nu)
+        pick = lambda i: jax.tree.map(lambda _, t: t[i], updates, out)  # noqa: E731
+        return pick(0), optax.ScaleByAdamState(count=count, mu=pick(1), nu=pick(2))
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def build_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """Returns (optimizer, schedule). Moments are fp32 (they follow the fp32 master weights)."""
+    """Returns (optimizer, schedule): clip -> Adam (moments in optim.mu_dtype / nu_dtype) ->
+    decoupled weight decay on `decay_mask` leaves -> - learning rate (the state tree of
+    `optax.chain(clip, optax.adamw(...))`)."""
     schedule = build_schedule(cfg, total_steps)
+    adamw = optax.chain(
+        scale_by_adam(cfg.b1, cfg.b2, cfg.eps, jnp.dtype(cfg.mu_dtype), jnp.dtype(cfg.nu_dtype)),
+        optax.add_decayed_weights(cfg.weight_decay, decay_mask),
+        optax.scale_by_learning_rate(schedule),
+    )
     tx = optax.chain(
         optax.clip_by_global_norm(cfg.grad_clip_norm) if cfg.grad_clip_norm > 0 else optax.identity(),
-        optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                    mask=decay_mask),
+        adamw,
     )
     return tx, schedule

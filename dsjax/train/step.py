@@ -28,8 +28,10 @@ from flax import nnx
 
 from dsjax.config import Config
 from dsjax.model import DeepSeekModel, ModelFns
+from dsjax.model.lm_loss import lm_head_loss, num_chunks
 from dsjax.model.mtp import mtp_targets
 from dsjax.model.moe import update_router_bias
+from sharding import rules as shr
 
 GROWTH_INTERVAL = 2000  # finite fp16 steps before the loss scale doubles
 INITIAL_SCALE = 2.0 ** 15
@@ -64,6 +66,25 @@ def cross_entropy(logits, targets, mask):
     return jnp.sum(nll * mask), jnp.sum(mask)
 
 
+# Weights the step differentiates in fp32, not in the compute dtype: the embedding table (its
+# gradient is a scatter-add over repeated tokens, which bf16 would round per addition) and the
+# router gates (routing runs in fp32).
+FP32_GRAD_LEAVES = ("embed_tokens", "gate")
+
+
+def compute_weights(params, dtype):
+    """The weights as the forward reads them: every float leaf cast to the compute `dtype`
+    except FP32_GRAD_LEAVES (by leaf name). The step differentiates this copy, so gradients come
+    out in the compute dtype and the cast runs once per step, not once per use; the values the
+    model sees are the ones its own `astype(dtype)` casts give."""
+    def cast(path, x):
+        name = str(getattr(path[-1], "key", path[-1]))
+        if name in FP32_GRAD_LEAVES or not jnp.issubdtype(x.dtype, jnp.floating):
+            return x
+        return x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
 def real_counts(segment_ids):
     """(sequences with a real token, real tokens) in segment_ids [..., B, T] (0 = padding), fp32."""
     real = segment_ids > 0
@@ -80,17 +101,25 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     # bf16/fp32 without train.skip_nonfinite: after the first non-finite gradient no update is
     # applied any more, so the state stays the last good one until the loop stops the run
     halt_on_nonfinite = not fp16 and not cfg.train.skip_nonfinite
+    compute_dtype = jnp.dtype(mcfg.dtype)
     has_moe = mcfg.num_moe_layers > 0
     noaux = has_moe and mcfg.topk_method == "noaux_tc"
     n_mtp = mcfg.num_nextn_predict_layers
     mtp_noaux = n_mtp > 0 and mcfg.topk_method == "noaux_tc"
 
     def micro_loss(params, rest, mb, n_total, scale, n_mtp_total, n_real):
+        """The micro-batch's share of the loss objective times `scale`: the lm_head + cross-
+        entropy terms are formed scaled (`lm_head_loss` takes its factor), the rest is added
+        and multiplied by `scale` here."""
         model = fns.merge(params, rest)
         h, aux = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
-        logits = model.logits(h)
-        nll_sum, _ = cross_entropy(logits, mb["targets"], mb["loss_mask"])
-        obj = nll_sum / n_total
+        w_out = model.lm_head_weight(h.dtype)
+        B, T = mb["targets"].shape
+        # chunks along T keep the batch axis's sharding; a context-sharded T is not chunked
+        n_chunks = 1 if shr.context_parallel_active() else num_chunks(B, T, mcfg.vocab_size)
+        lm_obj, nll_sum = lm_head_loss(h, w_out, mb["targets"], mb["loss_mask"], scale / n_total,
+                                       n_chunks)
+        obj = jnp.zeros((), jnp.float32)
         if has_moe:
             # the model averages seq_aux over this micro-batch's sequences with real tokens and
             # router_entropy over its real tokens; weigh them by those counts over the whole
@@ -101,17 +130,18 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             if mcfg.aux_loss_alpha > 0:
                 obj = obj + mcfg.aux_loss_alpha * jnp.sum(aux["seq_aux"])
         if n_mtp:
-            mtp_logits, mtp_stats = model.mtp_logits(h, mb["inputs"], mb["positions"], mb["segment_ids"])
+            mtp_h, mtp_stats = model.mtp_hidden(h, mb["inputs"], mb["positions"], mb["segment_ids"])
             sums = []
-            for k, lg in enumerate(mtp_logits):
+            for k, hk in enumerate(mtp_h):
                 tgt, mask = mtp_targets(mb["targets"], mb["loss_mask"], k)
-                sums.append(cross_entropy(lg, tgt, mask)[0])
-            sums = jnp.stack(sums)
-            obj = obj + mcfg.mtp_loss_weight / n_mtp * jnp.sum(sums / n_mtp_total)
-            aux = dict(aux, mtp_nll=sums)
+                w_k = scale * mcfg.mtp_loss_weight / n_mtp / n_mtp_total[k]
+                mtp_obj, s_k = lm_head_loss(hk, w_out, tgt, mask, w_k, n_chunks)
+                lm_obj = lm_obj + mtp_obj
+                sums.append(s_k)
+            aux = dict(aux, mtp_nll=jnp.stack(sums))
             if mtp_noaux:
                 aux["mtp_expert_counts"] = jnp.stack([st["expert_counts"] for st in mtp_stats])
-        return obj * scale, (nll_sum, aux)
+        return lm_obj + obj * scale, (nll_sum, aux)
 
     grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
 
@@ -120,6 +150,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             raise ValueError(f"train_step: batch leading dim {batch['inputs'].shape[0]} must equal "
                              f"train.grad_accum={n_accum} (micro-batches)")
         params, rest = state["params"], state["rest"]
+        weights = compute_weights(params, compute_dtype)
         scale = state["loss_scale"] if fp16 else jnp.asarray(1.0, jnp.float32)
         n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
         flat = lambda x: x.reshape(-1, x.shape[-1])  # [A, B, T] -> [A*B, T]
@@ -130,7 +161,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
 
         def body(carry, mb):
             g_acc, nll_acc, aux_acc = carry
-            (_, (nll_sum, aux)), g = grad_fn(params, rest, mb, n_total, scale, n_mtp_total, n_real)
+            (_, (nll_sum, aux)), g = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total, n_real)
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             aux_acc = jax.tree.map(lambda a, b: a + b, aux_acc, aux)
             return (g_acc, nll_acc + nll_sum, aux_acc), None
@@ -145,18 +176,23 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             if mtp_noaux:
                 aux0["mtp_expert_counts"] = jnp.zeros((n_mtp, mcfg.n_routed_experts))
         if n_accum == 1:  # no accumulator: saves a zero-fill and an add over every parameter
-            (_, (nll_sum, aux)), g = grad_fn(params, rest, jax.tree.map(lambda x: x[0], batch),
-                                             n_total, scale, n_mtp_total, n_real)
-            grads = jax.tree.map(lambda b: b.astype(jnp.float32), g)
+            (_, (nll_sum, aux)), grads = grad_fn(weights, rest, jax.tree.map(lambda x: x[0], batch),
+                                                 n_total, scale, n_mtp_total, n_real)
             aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
+        # gradients in the compute dtype (grad_accum 1) are read as fp32 by the fusions below;
+        # XLA folds the upcast into the norm's reduction and the optimizer's update
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
         if fp16:
             grads = jax.tree.map(lambda g: g / scale, grads)
-        finite = jnp.all(jnp.asarray([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
-        ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
         grad_norm = optax.tree.norm(grads)
+        # any inf/NaN gradient makes the norm non-finite, so one reduction over the gradients
+        # serves both (a finite gradient whose squares overflow fp32, |g| > 1e19, counts as
+        # non-finite too: clipping could not have applied it either)
+        finite = jnp.isfinite(grad_norm)
+        ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
         safe_grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
         updates, new_opt = tx.update(safe_grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)

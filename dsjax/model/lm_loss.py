@@ -1,0 +1,106 @@
+"""The lm_head projection fused with the token cross-entropy and its gradient.
+
+Legend: B batch, T tokens, D hidden_size, V vocab_size, n chunks of T.
+
+A plain `log_softmax(h @ w)` keeps [B, T, V] fp32 logits alive from the forward to the backward
+(3.4 GB at B4 x T2048, V 102,400) and its autodiff scatters the target cotangent into a second
+zero-filled logits-sized buffer. Here the forward walks the sequence in n chunks: per chunk it
+writes the chunk's fp32 logits, reduces them to the log-sum-exp and the target logit, and turns
+them at once into the gradient, which it rounds to the compute dtype and feeds to the two
+gradient GEMMs. Only dh [B, T, D] and dw [D, V] (compute dtype) outlive the forward. The GEMM
+FLOPs are those of forward + backward without fusion; no GEMM is recomputed.
+
+The gradient is known in the forward because the loss is linear in its per-token weights: the
+caller passes the objective's scale (`weight`, e.g. loss_scale / n_target_tokens) and the
+backward multiplies the stored gradients by the objective's cotangent (1.0 under
+`jax.grad`, an exact multiply). Rounding matches `lm_head_matmul` + `log_softmax`: fp32 logits,
+the gradient weight * mask * (softmax - onehot) formed in fp32 and rounded to the compute dtype
+before the GEMMs (as torch autocast does for a bf16 lm_head), fp32 accumulation.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+LOGIT_CHUNK_BYTES = 1 << 30  # fp32 logits of one chunk, at most (unless one row-step is larger)
+
+
+def num_chunks(B: int, T: int, V: int, chunk_bytes: int = LOGIT_CHUNK_BYTES) -> int:
+    """Fewest chunks n (a divisor of T) whose fp32 logits [B, T / n, V] fit in chunk_bytes."""
+    for n in range(1, T + 1):
+        if T % n == 0 and B * (T // n) * V * 4 <= chunk_bytes:
+            return n
+    return T
+
+
+def _chunk_grads(h, w, targets, mask, weight):
+    """One chunk: h [B, t, D], targets/mask [B, t] -> (nll_sum fp32, dh [B, t, D], dw fp32 [D, V])."""
+    logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
+    tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+    mask = mask.astype(jnp.float32)
+    nll_sum = jnp.sum((lse - tgt) * mask)
+    onehot = jax.lax.broadcasted_iota(jnp.int32, logits.shape, 2) == targets[..., None]
+    g = (jnp.exp(logits - lse[..., None]) - onehot) * (mask * weight)[..., None]
+    g = g.astype(h.dtype)
+    dh = jnp.einsum("btv,dv->btd", g, w, preferred_element_type=jnp.float32).astype(h.dtype)
+    dw = jnp.einsum("btd,btv->dv", h, g, preferred_element_type=jnp.float32)
+    return nll_sum, dh, dw
+
+
+def _forward(h, w, targets, mask, weight, n_chunks):
+    B, T, D = h.shape
+    targets = targets.astype(jnp.int32)
+    if n_chunks == 1:
+        nll_sum, dh, dw = _chunk_grads(h, w, targets, mask, weight)
+    else:
+        split = lambda x: jnp.moveaxis(x.reshape(B, n_chunks, T // n_chunks, *x.shape[2:]), 1, 0)  # noqa: E731
+
+        def body(dw, xs):
+            nll, dh_c, dw_c = _chunk_grads(*xs[:1], w, *xs[1:], weight)
+            return dw + dw_c, (nll, dh_c)
+
+        dw0 = jnp.zeros(w.shape, jnp.float32)
+        dw, (nll, dh) = jax.lax.scan(body, dw0, (split(h), split(targets), split(mask)))
+        nll_sum = jnp.sum(nll)
+        dh = jnp.moveaxis(dh, 0, 1).reshape(B, T, D)
+    return nll_sum, dh, dw.astype(w.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def lm_head_loss(h, w, targets, mask, weight, n_chunks=1):
+    """Scaled and plain token cross-entropy of the logits h @ w, without keeping the logits.
+
+    Args:
+      h: [B, T, D] final hidden states, compute dtype (bf16; fp32 gives fp32 gradients).
+      w: [D, V] lm_head weight in h.dtype (the transposed embedding when tied).
+      targets: [B, T] int target ids; mask: [B, T] (0/1, any dtype) tokens that count.
+      weight: fp32 scalar, the objective's factor (loss_scale / n_target_tokens).
+      n_chunks: static divisor of T (`num_chunks`); 1 keeps the whole [B, T, V] logits at once.
+
+    Returns:
+      (weight * nll_sum, nll_sum), fp32 scalars, with nll_sum = sum_t mask_t * (lse_t -
+      logit_t[target_t]) from fp32 logits. Only the first output carries a gradient (w.r.t. h
+      and w); nll_sum is for reporting and its cotangent is ignored. weight, targets and mask
+      get no gradient.
+    """
+    nll_sum, _, _ = _forward(h, w, targets, mask, weight, n_chunks)
+    return weight * nll_sum, nll_sum
+
+
+def _fwd(h, w, targets, mask, weight, n_chunks):
+    nll_sum, dh, dw = _forward(h, w, targets, mask, weight, n_chunks)
+    return (weight * nll_sum, nll_sum), (dh, dw, targets, mask, weight)
+
+
+def _bwd(n_chunks, res, cts):
+    dh, dw, targets, mask, weight = res
+    ct = cts[0].astype(jnp.float32)
+    scale = lambda x: (x.astype(jnp.float32) * ct).astype(x.dtype)  # noqa: E731
+    return scale(dh), scale(dw), None, jnp.zeros_like(mask), jnp.zeros_like(weight)
+
+
+lm_head_loss.defvjp(_fwd, _bwd)

@@ -1,0 +1,110 @@
+"""The fused lm_head + cross-entropy (`dsjax.model.lm_loss`) against log_softmax autodiff, and the
+optimizer's typed Adam moments (`dsjax.train.optim`) against optax.adamw."""
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from dsjax.config import OptimConfig
+from dsjax.model.lm_loss import lm_head_loss, num_chunks
+from dsjax.train.optim import build_optimizer, decay_mask
+
+
+def _inputs(dtype, B=2, T=16, D=32, V=100, seed=0):
+    k = jax.random.split(jax.random.key(seed), 4)
+    h = jax.random.normal(k[0], (B, T, D)).astype(dtype)
+    w = (0.3 * jax.random.normal(k[1], (D, V))).astype(dtype)
+    t = jax.random.randint(k[2], (B, T), 0, V)
+    m = (jax.random.uniform(k[3], (B, T)) > 0.3).astype(jnp.float32)
+    return h, w, t, m
+
+
+def _reference(h, w, t, m, weight):
+    logits = jnp.dot(h.astype(jnp.float32), w.astype(jnp.float32))
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    nll = -jnp.take_along_axis(logp, t[..., None], axis=-1)[..., 0]
+    return weight * jnp.sum(nll * m)
+
+
+def _rel(x, y):
+    return float(jnp.linalg.norm(x.astype(jnp.float32) - y) / jnp.linalg.norm(y))
+
+
+@pytest.mark.parametrize("dtype,tol", [(jnp.float32, 1e-6), (jnp.bfloat16, 6e-3)])
+@pytest.mark.parametrize("n_chunks", [1, 4])
+def test_lm_head_loss_matches_log_softmax_autodiff(dtype, tol, n_chunks):
+    h, w, t, m = _inputs(dtype)
+    weight = jnp.float32(1 / 11)
+    obj, nll = lm_head_loss(h, w, t, m, weight, n_chunks)
+    g = jax.grad(lambda h, w: lm_head_loss(h, w, t, m, weight, n_chunks)[0], (0, 1))(h, w)
+    ref, g_ref = jax.value_and_grad(_reference, (0, 1))(h.astype(jnp.float32), w.astype(jnp.float32), t, m, weight)
+    assert g[0].dtype == dtype and g[1].dtype == dtype
+    assert abs(float(obj) - float(ref)) <= 1e-5 * abs(float(ref))
+    assert abs(float(nll) * float(weight) - float(ref)) <= 1e-5 * abs(float(ref))
+    assert _rel(g[0], g_ref[0]) < tol, _rel(g[0], g_ref[0])
+    assert _rel(g[1], g_ref[1]) < tol, _rel(g[1], g_ref[1])
+    # masked tokens get no gradient
+    dead = np.asarray(m) == 0
+    assert np.all(np.asarray(g[0], np.float32)[dead] == 0)
+
+
+def test_lm_head_loss_chunks_agree_and_scale_by_cotangent():
+    h, w, t, m = _inputs(jnp.float32, T=24)
+    weight = jnp.float32(0.25)
+    f = lambda n: jax.grad(lambda h, w: 3.0 * lm_head_loss(h, w, t, m, weight, n)[0], (0, 1))(h, w)  # noqa: E731
+    g1, g3 = f(1), f(3)
+    assert _rel(g3[0], g1[0]) < 1e-6 and _rel(g3[1], g1[1]) < 1e-6
+    g_ref = jax.grad(lambda h, w: 3.0 * _reference(h, w, t, m, weight), (0, 1))(h, w)
+    assert _rel(g1[0], g_ref[0]) < 1e-6 and _rel(g1[1], g_ref[1]) < 1e-6
+
+
+def test_num_chunks():
+    assert num_chunks(4, 2048, 102400) == 4      # 2048 tokens x 102400 x 4 B = 0.84 GB per chunk
+    assert num_chunks(32, 128, 512) == 1
+    assert num_chunks(1, 7, 1 << 30) == 7        # never more chunks than tokens per row
+
+
+def _tree(seed, dtype):
+    k = jax.random.split(jax.random.key(seed), 2)
+    return {"layer": {"kernel": jax.random.normal(k[0], (16, 8)).astype(dtype)},
+            "norm": {"weight": (1 + 0.1 * jax.random.normal(k[1], (8,))).astype(dtype)}}
+
+
+def test_adamw_fp32_matches_optax():
+    cfg = OptimConfig(warmup_steps=2)
+    tx, sched = build_optimizer(cfg, 10)
+    ref = optax.chain(optax.clip_by_global_norm(cfg.grad_clip_norm),
+                      optax.adamw(sched, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
+                                  weight_decay=cfg.weight_decay, mask=decay_mask))
+    p = q = _tree(0, jnp.float32)
+    s, r = tx.init(p), ref.init(q)
+    assert jax.tree.structure(s) == jax.tree.structure(r)
+    for i in range(5):
+        g = jax.tree.map(lambda x: 0.5 * x, _tree(i + 1, jnp.float32))
+        u, s = tx.update(g, s, p)
+        p = optax.apply_updates(p, u)
+        u, r = ref.update(g, r, q)
+        q = optax.apply_updates(q, u)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("weights,moments", [("bfloat16", "bfloat16"), ("bfloat16", "float32"),
+                                             ("float32", "bfloat16")])
+def test_adam_moment_dtypes_are_stable(weights, moments):
+    """The moments keep optim.mu_dtype / nu_dtype whatever the weight and gradient dtypes (a
+    state whose dtypes drift after the first step recompiles the step and changes checkpoints)."""
+    cfg = OptimConfig(mu_dtype=moments, nu_dtype=moments)
+    tx, _ = build_optimizer(cfg, 10)
+    p = _tree(0, jnp.dtype(weights))
+    s = tx.init(p)
+    dtypes0 = [x.dtype for x in jax.tree.leaves(s)]
+    for i in range(3):
+        g = _tree(i + 1, jnp.bfloat16)  # compute-dtype gradients
+        u, s = jax.jit(tx.update)(g, s, p)
+        p = optax.apply_updates(p, u)
+    assert [x.dtype for x in jax.tree.leaves(s)] == dtypes0
+    assert all(x.dtype == jnp.dtype(weights) for x in jax.tree.leaves(p))
+    mu = s[1][0].mu
+    assert all(x.dtype == jnp.dtype(moments) for x in jax.tree.leaves(mu))
