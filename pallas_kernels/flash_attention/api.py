@@ -1,4 +1,5 @@
-"""Public flash-attention entry point with backend dispatch.
+"""Public flash-attention entry point with backend dispatch, and the Mosaic GPU kernels' entry
+(`flash_attention_mosaic`: the forward kernel with its own backward kernels as a custom VJP).
 
 Legend: B batch, T query length, S key length, N query heads, K kv heads, Dqk q/k head dim,
 Dv value head dim.
@@ -6,24 +7,19 @@ Dv value head dim.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
+import jax.numpy as jnp
 
-from pallas_kernels.flash_attention import mosaic_gpu
+from pallas_kernels._hopper import (INTERPRET_NAMED_BARRIERS, interpret_params, on_gpu,
+                                    on_hopper)
+from pallas_kernels.flash_attention import mosaic_bwd, mosaic_fwd
+from pallas_kernels.flash_attention.mosaic_common import Config, check_supported, default_config
 from pallas_kernels.flash_attention.reference import (attention_reference, check_shapes,
                                                       split_segments)
 
 IMPLS = ("auto", "pallas", "reference")
-
-
-@functools.lru_cache(maxsize=None)
-def on_hopper() -> bool:
-    """True when the default device is an NVIDIA GPU of compute capability 9.x."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu":
-        return False
-    cc = str(getattr(dev, "compute_capability", ""))
-    return cc.startswith("9")
 
 
 def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_offset=0,
@@ -52,7 +48,7 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
       ValueError: unknown impl, bad shapes, or (impl="pallas") inputs the kernel cannot take.
 
     Maths: FlashAttention-2 (arXiv 2307.08691) forward/backward with FlashAttention-3's
-    warp-specialised Hopper layout (arXiv 2407.08608); see `mosaic_gpu.py`.
+    warp-specialised Hopper layout (arXiv 2407.08608); see `mosaic_common.py`.
     """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
@@ -65,11 +61,66 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
     segs = split_segments(segment_ids, T, S)
     segs = None if segs[0] is None else segs
     interpret = None
-    if jax.devices()[0].platform != "gpu":
-        interpret = mosaic_gpu.interpret_params()
+    if not on_gpu():
+        interpret = interpret_params()
     elif not on_hopper():
         raise ValueError("impl='pallas': the Mosaic GPU kernel needs a Hopper GPU (sm_90)")
-    o, lse = mosaic_gpu.flash_attention_mosaic(q, k, v, causal=causal, scale=scale, segments=segs,
-                                               q_offset=q_offset, kv_offset=kv_offset,
-                                               interpret=interpret)
+    o, lse = flash_attention_mosaic(q, k, v, causal=causal, scale=scale, segments=segs,
+                                    q_offset=q_offset, kv_offset=kv_offset, interpret=interpret)
     return (o, lse) if return_lse else o
+
+
+def flash_attention_mosaic(q, k, v, *, causal=True, scale=None, segments=None, q_offset=0,
+                           kv_offset=0, cfg: Config | None = None, interpret=None):
+    """Mosaic GPU flash attention with its own backward kernels.
+
+    Args:
+      q [B, T, N, Dqk], k [B, S, K, Dqk], v [B, S, K, Dv]: bf16 or fp16, Dqk and Dv multiples of
+        64 up to 256, N % K == 0.
+      segments: None or (q_seg [B, T], kv_seg [B, S]) int.
+      q_offset, kv_offset: int or int32 scalar (may be traced).
+      cfg: tiles and schedules; default `default_config(Dqk, Dv)`.
+      interpret: None (compile for the GPU) or `_hopper.interpret_params(...)` (GPU interpret
+        mode, a CPU simulation that runs the kernels' PTX named barriers too).
+
+    Returns:
+      (o [B, T, N, Dv] in q.dtype, lse [B, N, T] fp32 natural log, -inf on fully masked rows).
+    """
+    check_supported(q, k, v, cfg)
+    if interpret is not None and getattr(interpret, "inline_mgpu", None) != INTERPRET_NAMED_BARRIERS:
+        raise ValueError("interpret: the kernels' named barriers need "
+                         "`_hopper.interpret_params()` (inline_mgpu=INTERPRET_NAMED_BARRIERS)")
+    cfg = default_config(q.shape[-1], v.shape[-1]) if cfg is None else cfg
+    scale = float(q.shape[-1] ** -0.5 if scale is None else scale)
+    segs = None if segments is None else (jnp.asarray(segments[0]), jnp.asarray(segments[1]))
+    static_delta = None     # offsets known while tracing: range tables become constants
+    if all(isinstance(x, int) for x in (q_offset, kv_offset)):
+        static_delta = int(q_offset) - int(kv_offset)
+    return _attention(q, k, v, segs, (q_offset, kv_offset), scale, causal, cfg, interpret,
+                      static_delta)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8, 9))
+def _attention(q, k, v, segs, offsets, scale, causal, cfg, interpret, static_delta):
+    o, lse2 = mosaic_fwd.forward(q, k, v, segs, offsets, scale=scale, causal=causal, cfg=cfg,
+                                 interpret=interpret, static_delta=static_delta)
+    return o, lse2 * math.log(2.0)
+
+
+def _attention_fwd(q, k, v, segs, offsets, scale, causal, cfg, interpret, static_delta):
+    o, lse2 = mosaic_fwd.forward(q, k, v, segs, offsets, scale=scale, causal=causal, cfg=cfg,
+                                 interpret=interpret, static_delta=static_delta)
+    return (o, lse2 * math.log(2.0)), (q, k, v, segs, offsets, o, lse2)
+
+
+def _attention_bwd(scale, causal, cfg, interpret, static_delta, res, cts):
+    q, k, v, segs, offsets, o, lse2 = res
+    do, dlse = cts
+    dq, dk, dv = mosaic_bwd.backward(q, k, v, segs, offsets, o, lse2, do, dlse, scale=scale,
+                                     causal=causal, cfg=cfg, interpret=interpret,
+                                     static_delta=static_delta)
+    seg_ct = None if segs is None else jax.tree.map(lambda _: None, segs)
+    return dq, dk, dv, seg_ct, (None, None)
+
+
+_attention.defvjp(_attention_fwd, _attention_bwd)

@@ -10,9 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import interpret_params
 from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.flash_attention import mosaic_gpu as mg
+from pallas_kernels.flash_attention.api import flash_attention_mosaic
+from pallas_kernels.flash_attention.mosaic_common import Config, default_config
 from pallas_kernels.flash_attention.reference import attention_naive, attention_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -114,36 +117,29 @@ def test_kernel_forward_and_grads(name):
         assert _rel(a, b) < 1e-2, gname
 
 
-def _schedule_case(seed, seg_seeds, variant):
-    """The schedule tests' case: MLA 192/128, T=192 queries, S=256 keys, GQA 2:1, causal with
+def _config_case(seed, seg_seeds, variant):
+    """The Config tests' case: MLA 192/128, T=192 queries, S=256 keys, GQA 2:1, causal with
     kv_offset 40 (the first 40 rows see no key) and packed segments; the default Config with
     `variant` applied; interpret mode off the GPU.
     Returns (q, k, v, dO, segments, cfg, kwargs for flash_attention_mosaic, interpret)."""
     B, T, S, N, K, Dqk, Dv = 1, 192, 256, 2, 1, 192, 128
     q, k, v, do = _inputs(seed, B, T, S, N, K, Dqk, Dv, jnp.bfloat16)
     segs = (_docs(B, T, 2, seg_seeds[0]), _docs(B, S, 2, seg_seeds[1]))
-    cfg = dataclasses.replace(mg.default_config(Dqk, Dv), **variant)
+    cfg = dataclasses.replace(default_config(Dqk, Dv), **variant)
     kw = dict(causal=True, segments=segs, kv_offset=40)
-    ip = None if ON_GPU else mg.interpret_params()
+    ip = None if ON_GPU else interpret_params()
     return q, k, v, do, segs, cfg, kw, ip
 
 
 @pytest.mark.parametrize("variant", [
-    dict(fwd_longest_first=False),
-    dict(fwd_pipe=False),
-    dict(fwd_longest_first=False, block_kv=64),
-    dict(no_auto_barriers=True, fwd_pipe=False),   # no_auto_barriers: compiled only
-    dict(fwd_fma=False),
-    dict(fwd_fma=False, fwd_pipe=False, named_barriers=False),
+    dict(block_kv=64),
 ])
-def test_forward_schedules(variant):
-    """The non-default forward schedules (Config.fwd_longest_first=False: query tiles in index
-    order; fwd_pipe=False: the key loop of sessions 1-4 that waits for each product; smaller
-    key steps; fwd_fma=False: S scaled before the softmax; named_barriers=False: mbarriers; the
-    defaults run in every case above) on a case with skip steps, masked rows and GQA: causal
-    with kv_offset 40 (the first 40 rows see no key) and packed segments."""
-    q, k, v, _, segs, cfg, kw, ip = _schedule_case(7, (4, 5), variant)
-    o, lse = mg.flash_attention_mosaic(q, k, v, cfg=cfg, interpret=ip, **kw)
+def test_forward_configs(variant):
+    """Forward Config choices that default_config makes at other head dims (64-key steps, as
+    at 256/256) on a case with skip steps, masked rows and GQA: causal with kv_offset 40 (the
+    first 40 rows see no key) and packed segments."""
+    q, k, v, _, segs, cfg, kw, ip = _config_case(7, (4, 5), variant)
+    o, lse = flash_attention_mosaic(q, k, v, cfg=cfg, interpret=ip, **kw)
     no, nlse = attention_naive(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True,
                                segment_ids=segs, kv_offset=40)
     fin = np.isfinite(np.asarray(nlse))
@@ -156,25 +152,18 @@ def test_forward_schedules(variant):
 
 
 @pytest.mark.parametrize("variant", [
-    dict(dq_issue="serial", dkv_issue="sdp1", bwd_longest_first=False, regs_bwd=(232, 40)),
-    dict(dq_issue="sdp", dkv_issue="sdp"),
-    dict(dkv_issue="dvdp"),
-    dict(dkv_fold=False, dq_issue="serial", bwd_longest_first=False, regs_bwd=(232, 40)),
-    dict(named_barriers=False),
-    dict(dkv_stat_smem=False),
-    # dq_regs (default "do" at 192/128): interpret mode keeps the tiles in shared memory, so
-    # these two differ from the default in the register path only when compiled
-    dict(dq_regs="q"),
-    dict(dq_regs="", dq_issue="serial"),
+    dict(dkv_issue="sdp1"),
+    # dq_regs "" (the default off 192/128): interpret mode keeps dO in shared memory either
+    # way, so this differs from the default in the register path only when compiled
+    dict(dq_regs=""),
 ])
-def test_backward_schedules(variant):
-    """The non-default backward schedules (Config.dq_issue, dkv_issue, dkv_fold,
-    bwd_longest_first, regs_bwd, named_barriers, dkv_stat_smem, dq_regs; the defaults run in
-    every case above) give the oracle's dq, dk, dv on a case with skip steps, masked rows, GQA
-    and packed segments."""
-    q, k, v, do, segs, cfg, kw, ip = _schedule_case(11, (6, 7), variant)
+def test_backward_configs(variant):
+    """The backward schedules that default_config picks at other head dims (Config.dkv_issue
+    "sdp1" as at 128/128, dq_regs "") give the oracle's dq, dk, dv on the MLA case with skip
+    steps, masked rows, GQA and packed segments."""
+    q, k, v, do, segs, cfg, kw, ip = _config_case(11, (6, 7), variant)
     loss = lambda o: (o.astype(jnp.float32) * do).sum()
-    g = jax.grad(lambda *a: loss(mg.flash_attention_mosaic(*a, cfg=cfg, interpret=ip, **kw)[0]),
+    g = jax.grad(lambda *a: loss(flash_attention_mosaic(*a, cfg=cfg, interpret=ip, **kw)[0]),
                  (0, 1, 2))(q, k, v)
     f32 = [x.astype(jnp.float32) for x in (q, k, v)]
     ng = jax.grad(lambda *a: loss(attention_naive(*a, causal=True, segment_ids=segs,
@@ -188,11 +177,11 @@ def test_traced_offsets_match_static():
     traced offsets (as ring attention passes them) build the same tables in XLA. Both give the
     same o, lse and gradients, bit for bit, on a case with fully masked rows (kv_offset 70)."""
     q, k, v, do = _inputs(5, 1, 128, 256, 2, 1, 192, 128, jnp.bfloat16)
-    ip = None if ON_GPU else mg.interpret_params()
+    ip = None if ON_GPU else interpret_params()
 
     def run(q, k, v, q_off, kv_off):
         def f(q, k, v):
-            return mg.flash_attention_mosaic(q, k, v, causal=True, q_offset=q_off,
+            return flash_attention_mosaic(q, k, v, causal=True, q_offset=q_off,
                                              kv_offset=kv_off, interpret=ip)
         (o, lse), vjp = jax.vjp(f, q, k, v)
         return o, lse, vjp((do.astype(o.dtype), jnp.zeros_like(lse)))
@@ -206,25 +195,27 @@ def test_traced_offsets_match_static():
 
 
 def test_config_errors():
-    with pytest.raises(ValueError, match="dq_issue"):
-        mg.Config(dq_issue="dvdp")
-    with pytest.raises(ValueError, match="regs_bwd"):
-        mg.Config(regs_bwd=(248, 24))
-    with pytest.raises(ValueError, match="named_barriers"):     # 2 x 6 slots + 2 turns > 12
-        mg.Config(stages=6)
-    mg.Config(stages=6, named_barriers=False)
+    with pytest.raises(ValueError, match="dkv_issue"):
+        Config(dkv_issue="dvdp")
+    with pytest.raises(ValueError, match="dq_regs"):
+        Config(dq_regs="q")
+    with pytest.raises(ValueError, match="hardware barriers"):     # 2 x 6 slots + 2 turns > 12
+        Config(stages=6)
+    Config(stages=5)
+    q, k, v, _ = _inputs(0, 1, 64, 64, 1, 1, 64, 64, jnp.bfloat16)
+    with pytest.raises(ValueError, match="interpret_params"):    # named barriers need it
+        flash_attention_mosaic(q, k, v, interpret=plgpu.InterpretGPUParams())
 
 
 def test_kernel_no_races():
     """GPU interpret mode with race detection: forward and backward, one small MLA case, with
-    the kernels' named barriers interpreted (mg.interpret_params; Config.named_barriers=False
-    schedule cases run the mbarrier path)."""
+    the kernels' named barriers interpreted (`_hopper.interpret_params`)."""
     if ON_GPU:
         pytest.skip("race detection is a CPU interpret-mode check; compiled cases run above")
     from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     q, k, v, _ = _inputs(3, 1, 100, 100, 1, 1, 192, 128, jnp.bfloat16)
-    ip = mg.interpret_params(detect_races=True)
-    f = lambda q, k, v: mg.flash_attention_mosaic(q, k, v, causal=True, interpret=ip)[0]
+    ip = interpret_params(detect_races=True)
+    f = lambda q, k, v: flash_attention_mosaic(q, k, v, causal=True, interpret=ip)[0]
     o = f(q, k, v)
     assert not gpu_callbacks.get_races().races_found
     g = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)
