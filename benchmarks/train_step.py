@@ -276,13 +276,18 @@ def run_hf(args, peer: str) -> dict:
     return {"row": label, **json.loads(r.stdout.strip().splitlines()[-1])}
 
 
-def run_child(args, row: str) -> dict:
-    """A dsjax row in its own process (own allocator peak, own XLA flags)."""
+def run_child(args, row: str, profile: bool = False) -> dict:
+    """A dsjax row in its own process (own allocator peak, own XLA flags). With `profile`, the
+    process traces three steps with XLA's command buffers off, so that every kernel is
+    attributed to its HLO op (inside a CUDA graph the trace sees one event per graph)."""
     cmd = [sys.executable, __file__, "--child", row, "--layers", str(args.layers), "--batch", str(args.batch),
-           "--seq", str(args.seq), "--steps", str(args.steps)]
-    cmd += (["--profile", args.profile] if args.profile else []) + (["--hlo", args.hlo] if args.hlo else [])
+           "--seq", str(args.seq), "--steps", str(args.steps if not profile else 2)]
+    cmd += (["--profile", args.profile] if profile else []) + (["--hlo", args.hlo] if args.hlo and profile else [])
     cmd += ["--set", *args.set] if args.set else []
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200)
+    env = dict(os.environ)
+    if profile:
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
     if r.returncode != 0 or not lines:
@@ -301,7 +306,8 @@ def main() -> None:
     p.add_argument("--peers", default="hf,hf_compile", help=f"comma list of {sorted(HF_ROWS)}, or ''")
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="dsjax config overrides applied to every dsjax row (the HF peers keep V2-Lite)")
-    p.add_argument("--profile", default="", help="trace 3 more dsjax steps per row into DIR/ROW; print parts")
+    p.add_argument("--profile", default="", help="per dsjax row, one more process traces 3 steps (command "
+                   "buffers off) into DIR/ROW and prints the device time per part of the step")
     p.add_argument("--hlo", default="", help="write each dsjax row's compiled HLO to DIR/ROW.hlo.txt")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -321,7 +327,13 @@ def main() -> None:
     for name in peers:
         if name not in HF_ROWS:
             p.error(f"--peers: unknown peer {name!r} (have {sorted(HF_ROWS)})")
-    results = [run_child(args, r) for r in rows] + [run_hf(args, r) for r in peers]
+    results = [run_child(args, r) for r in rows]
+    if args.profile:
+        for res, r in zip(results, rows):
+            prof = run_child(args, r, profile=True)
+            res["parts_ms"] = prof.get("parts_ms", {"error": prof.get("error", "?")})
+            res["step_ms_no_command_buffers"] = prof.get("step_ms")
+    results += [run_hf(args, r) for r in peers]
     ref = next((r for r in results if "torch.compile" in r["row"] and "error" not in r), None)
     print(f"\nV2-Lite geometry, {args.layers} layers, batch {args.batch} x {args.seq} per device"
           + (f", dsjax --set {' '.join(args.set)}" if args.set else ""))
@@ -339,7 +351,11 @@ def main() -> None:
     for r in results:
         if "parts_ms" in r:
             parts = r["parts_ms"]
-            print(f"\n{r['row']}: device ms per step by part (total {parts['total']:.1f})")
+            if "error" in parts:
+                print(f"\n{r['row']}: profile failed: {parts['error']}")
+                continue
+            print(f"\n{r['row']}: device ms per step by part (total {parts['total']:.1f}; command buffers "
+                  f"off: step {r.get('step_ms_no_command_buffers') or float('nan'):.1f} ms)")
             for k, v in parts.items():
                 if k not in ("total", "top_ops", "trace_lines"):
                     print(f"  {k:<40} {v:>7.2f}")

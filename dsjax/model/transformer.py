@@ -96,7 +96,13 @@ class DeepSeekModel(nnx.Module):
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
-        return jax.lax.scan(body, h, state)
+        if self.cfg.scan_layers:
+            return jax.lax.scan(body, h, state)
+        stats = []
+        for i in range(jax.tree.leaves(state)[0].shape[0]):
+            h, st = body(h, jax.tree.map(lambda x: x[i], state))
+            stats.append(st)
+        return h, jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
 
     def _rope_inputs(self, tokens, positions, segment_ids):
         """Defaults (positions 0..T-1, one segment) and RoPE cos/sin [B, T, R/2] for tokens [B, T]."""

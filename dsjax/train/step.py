@@ -193,8 +193,9 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         # non-finite too: clipping could not have applied it either)
         finite = jnp.isfinite(grad_norm)
         ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
-        safe_grads = jax.tree.map(lambda g: jnp.where(ok, g, 0.0), grads)
-        updates, new_opt = tx.update(safe_grads, state["opt"], params)
+        # a non-finite gradient gives non-finite updates, which `keep` discards; the optimizer
+        # sees the same gradients as grad_norm, so XLA computes the clip's norm only once
+        updates, new_opt = tx.update(grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         new_state = dict(state)
