@@ -24,7 +24,6 @@ of the step (attention, experts, dense GEMMs, lm_head + loss, optimizer, ...).
 from __future__ import annotations
 
 import argparse
-import ast
 import collections
 import json
 import os
@@ -118,119 +117,107 @@ def run_dsjax(args, row: str) -> dict:
 
 # -- per-part device time --------------------------------------------------------------------
 _INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-_META_FILE = re.compile(r'source_file="([^"]*)"')
-_META_LINE = re.compile(r"source_line=(\d+)")
 
 
-def _functions(path: str) -> list[tuple[int, int, str]]:
-    """(first line, last line, Class.function) of every function in a Python file."""
-    try:
-        tree = ast.parse(open(path).read())
-    except (OSError, SyntaxError):
-        return []
-    out = []
+def _stack_tables(hlo_text: str):
+    """The compiled module's stack tables: frame id -> [function names, innermost first]."""
+    sec, cur = {}, None
+    for line in hlo_text.splitlines():
+        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
+            cur = sec.setdefault(line, {})
+            continue
+        m = re.match(r"^(\d+) (.*)$", line) if cur is not None else None
+        if m:
+            cur[int(m.group(1))] = m.group(2)
+        elif cur is not None and line.strip():
+            cur = None
+    funcs = {i: v.strip('"') for i, v in sec.get("FunctionNames", {}).items()}
+    locs = {i: int(dict(re.findall(r"(\w+)=(\d+)", v))["function_name_id"])
+            for i, v in sec.get("FileLocations", {}).items()}
+    frames = {i: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", r)} for i, r in sec.get("StackFrames", {}).items()}
 
-    def walk(node, prefix):
-        for ch in ast.iter_child_nodes(node):
-            if isinstance(ch, (ast.FunctionDef, ast.AsyncFunctionDef)):
-                out.append((ch.lineno, ch.end_lineno, prefix + ch.name))
-                walk(ch, prefix + ch.name + ".")
-            elif isinstance(ch, ast.ClassDef):
-                walk(ch, prefix + ch.name + ".")
-    walk(tree, "")
-    return out
-
-
-def _where(file: str, line: int, cache={}) -> str:
-    """Innermost function of `file` holding `line`, '' when unknown."""
-    if file not in cache:
-        cache[file] = _functions(file)
-    best = ""
-    for lo, hi, name in cache[file]:
-        if lo <= line <= hi:
-            best = name  # later entries are nested deeper
-    return best
+    def chain(fid):
+        out, seen = [], set()
+        while fid in frames and fid not in seen:  # parent ids count from 0, frame ids from 1
+            seen.add(fid)
+            out.append(funcs.get(locs.get(frames[fid]["file_location_id"]), "?"))
+            fid = frames[fid]["parent_frame_id"] - 1
+        return out
+    return chain
 
 
-def classify(name: str, text: str, instr: dict | None = None) -> str:
-    """The part of the step an HLO instruction (name, its text after `=`) belongs to; `instr`
-    (name -> text of every instruction) lets a GEMM be told by its operands' shapes too."""
-    m = _META_FILE.search(text)
-    file = m.group(1) if m else ""
-    ln = _META_LINE.search(text)
-    fn = _where(file, int(ln.group(1))) if (file and ln) else ""
-    is_gemm = "gemm" in text.split("(")[0] or "__cublas" in text or "custom_call_target=\"__cublas" in text
-    if not text:  # not an op of the step's HLO (the trace named a kernel, not an op)
-        low = name.lower()
-        if "mosaic" in low:
-            return "Mosaic kernels (unmapped)"
-        if any(k in low for k in ("gemm", "nvjet", "cutlass", "sm90")):
-            return "GEMMs (unmapped)"
-        return "memcpy" if "memcpy" in low else "unmapped"
-    if "mosaic" in text or "mosaic_gpu" in name:
-        return "attention kernels" if "flash_attention" in file else "MoE kernels (gmm, permute)"
-    if is_gemm:
-        head = text.split("custom_call_target")[0]
-        for op in re.findall(r"%([\w.\-]+)", head):  # operands: their shapes
-            head += " " + (instr or {}).get(op, "").split(" ")[0]
-        if str(VOCAB) in head:
+def classify(name: str, text: str, funcs: list[str]) -> str:
+    """The part of the step an HLO op belongs to, from its text and the Python call chain
+    (function names, innermost first) that traced it."""
+    f = " ".join(funcs)
+    if not text:  # the trace named a kernel that is not an op of the step's HLO
+        return "memcpy" if "memcpy" in name.lower() else "unmapped"
+    if "mosaic_gpu" in text:
+        return "attention kernels" if "flash_attention" in f else "MoE kernels (GEMMs, permute)"
+    if "__cublas" in text or "gemm" in name:
+        if "lm_head" in f or "_chunk_grads" in f or "logits" in f:
             return "lm_head GEMMs"
-        if any(f"{w}]" in head or f"{w}," in head for w in DENSE_WIDTHS):
+        if "MLP.__call__" in f:
             return "dense MLP + shared expert GEMMs"
-        return "attention projection GEMMs"
+        if "MLA" in f:
+            return "attention projection GEMMs"
+        return "router and other GEMMs"
     if name.startswith("copy") or " copy(" in text:
         return "copies"
-    if fn == "compute_weights" or "convert" in name and file.endswith("step.py"):
-        return "casts"
-    if file.endswith("lm_loss.py") or "cross_entropy" in fn or "lm_head" in fn or fn.endswith("logits"):
+    if "compute_weights" in f:
+        return "weight casts"
+    if "lm_head_loss" in f or "_chunk_grads" in f or "lm_loss" in f:
         return "lm_head + loss elementwise"
-    if "optax" in file or file.endswith("optim.py") or file.endswith("step.py"):
+    if "train_step" in f and "micro_loss" not in f:
         return "optimizer, clip, finite check"
-    if "dynamic_update_slice" in name or "dynamic-update-slice" in text.split("(")[0]:
-        return "scan stacking"
-    if "convert" in name:
-        return "casts"
-    if file.endswith("moe.py") or "pallas_kernels/moe" in file:
-        return "router + MoE glue"
-    if file.endswith(("layers.py", "rope.py", "transformer.py")) or "flash_attention" in file:
-        return "norms, RoPE, SwiGLU, attention glue"
+    rules = (("route", "router + balance stats"), ("balance_stats", "router + balance stats"),
+             ("MoE.", "MoE glue (SwiGLU, combine)"), ("MLP.__call__", "dense MLP SwiGLU"),
+             ("RMSNorm.", "RMSNorm"), ("MLA.", "attention glue (RoPE, K/V)"),
+             ("DeepSeekModel.embed", "embedding"), ("DecoderLayer.", "residual adds"),
+             ("DeepSeekModel._run_stack", "layer stacking"))
+    for key, part in rules:  # a function name equal to key, or a method of the class key names
+        if any(x == key or (key.endswith(".") and x.startswith(key)) or x.startswith(key + ".")
+               for x in funcs):
+            return part
     return "other"
 
 
 def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
     """Device ms per step per part: the trace's GPU kernels, each mapped through its HLO op
-    (the "XLA Ops" line's event name, else a stream event's `hlo_op` stat) to the compiled HLO."""
+    (the "XLA Ops" line's event name, else a stream event's `hlo_op` stat) to the compiled HLO
+    and the Python call chain in its metadata."""
     import glob
 
     from jax.profiler import ProfileData
 
+    chain = _stack_tables(hlo_text)
     instr = {}
     for line in hlo_text.splitlines():
         m = _INSTR.match(line)
         if m:
             instr.setdefault(m.group(1), m.group(2))
     paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
-    events, lines_seen = {"ops": [], "streams": []}, []
+    events = {"ops": [], "streams": []}
     for plane in ProfileData.from_file(paths[-1]).planes:
         if not plane.name.startswith("/device:GPU"):
             continue
         for ln in plane.lines:
-            lines_seen.append(ln.name)
             for ev in ln.events:
                 if ln.name == "XLA Ops":
                     events["ops"].append((ev.name, ev.duration_ns))
                 elif "Stream" in ln.name:
                     stats = dict((k, v) for k, v in ev.stats)
                     events["streams"].append((str(stats.get("hlo_op", ev.name)), ev.duration_ns))
-    per, top = collections.Counter(), collections.Counter()
+    per, ops = collections.Counter(), collections.Counter()
     for name, ns in events["ops"] or events["streams"]:
-        part = classify(name, instr.get(name, ""), instr)
-        per[part] += ns / 1e6 / n_steps
-        top[(part, name)] += ns / 1e6 / n_steps
+        ops[name] += ns / 1e6 / n_steps
+    for name, ms in ops.items():
+        text = instr.get(name, "")
+        fid = re.search(r"stack_frame_id=(\d+)", text)
+        per[classify(name, text, chain(int(fid.group(1))) if fid else [])] += ms
     out = dict(per.most_common())
     out["total"] = sum(per.values())
-    out["top_ops"] = [[p, n, round(ms, 3)] for (p, n), ms in top.most_common(40)]
-    out["trace_lines"] = sorted(set(lines_seen))
+    out["ops"] = {n: round(ms, 4) for n, ms in ops.most_common()}
     return out
 
 
@@ -357,9 +344,9 @@ def main() -> None:
             print(f"\n{r['row']}: device ms per step by part (total {parts['total']:.1f}; command buffers "
                   f"off: step {r.get('step_ms_no_command_buffers') or float('nan'):.1f} ms)")
             for k, v in parts.items():
-                if k not in ("total", "top_ops", "trace_lines"):
+                if k not in ("total", "ops"):
                     print(f"  {k:<40} {v:>7.2f}")
-            print("  largest ops: " + "; ".join(f"{n} {ms:.2f} ({p})" for p, n, ms in parts["top_ops"][:12]))
+            print("  largest ops: " + "; ".join(f"{n} {ms:.2f}" for n, ms in list(parts["ops"].items())[:10]))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
