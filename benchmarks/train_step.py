@@ -295,6 +295,7 @@ def main() -> None:
                    help="dsjax config overrides applied to every dsjax row (the HF peers keep V2-Lite)")
     p.add_argument("--profile", default="", help="per dsjax row, one more process traces 3 steps (command "
                    "buffers off) into DIR/ROW and prints the device time per part of the step")
+    p.add_argument("--profile-rows", default="", help="comma list: profile only these dsjax rows")
     p.add_argument("--hlo", default="", help="write each dsjax row's compiled HLO to DIR/ROW.hlo.txt")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
@@ -317,6 +318,8 @@ def main() -> None:
     results = [run_child(args, r) for r in rows]
     if args.profile:
         for res, r in zip(results, rows):
+            if args.profile_rows and r not in args.profile_rows.split(","):
+                continue
             prof = run_child(args, r, profile=True)
             res["parts_ms"] = prof.get("parts_ms", {"error": prof.get("error", "?")})
             res["step_ms_no_command_buffers"] = prof.get("step_ms")
