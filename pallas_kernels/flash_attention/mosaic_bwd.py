@@ -97,7 +97,7 @@ def _dq_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, s
             qt = Tp // (2 * bq) - 1 - qt
         wg = lax.axis_index("wg")
         (q_smems, do_smems, k_smems, v_smems, stage_smems, o_smems, dlt_smems), \
-            (k_bar, v_bar, q_bar, do_bar, o_bar), _cons = scoped
+            (k_bar, v_bar, q_bar, do_bar, o_bar) = scoped
         sig = Sync(("k", "v"), stages=stages)
         L = ctab_ref[b, qt, 0]
         H = ctab_ref[b, qt, 1]
@@ -208,7 +208,7 @@ def _dq_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, s
                 load(ki, lax.rem(ki - L, stages), wait=True)
 
             @pl.loop(jnp.maximum(H - stages, L), H)
-            def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
+            def _(ki):   # the last frees too: no named-barrier arrival is left unmatched at exit
                 slot = lax.rem(ki - L, stages)
                 sig.wait_free("k", slot)
                 sig.wait_free("v", slot)
@@ -223,10 +223,7 @@ def _dq_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, s
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2),
                 plgpu.Barrier(num_barriers=2) if own_dlt else None)
-        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
-                      collective_axes="wg")
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, collective_axes="wg")
 
     seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
     out_type = jax.ShapeDtypeStruct(q.shape, dtype)
@@ -262,7 +259,7 @@ def _dkv_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, 
         kt = lax.axis_index("kt")
         wg = lax.axis_index("wg")
         (k_smems, v_smems, q_smems, do_smems, stage_smems, lse_smems, dlt_smems), \
-            (q_bar, do_bar, k_bar, v_bar), _cons = scoped
+            (q_bar, do_bar, k_bar, v_bar) = scoped
         sig = Sync(("q", "do"), stages=stages)
         L = ctab_ref[b, kt, 0]
         H = ctab_ref[b, kt, 1]
@@ -289,8 +286,6 @@ def _dkv_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, 
             plgpu.barrier_wait(v_bar.at[wg])
 
             def head(g, carry):
-                h = kvh * G + g   # unused; kept here so that the jaxprs stay identical
-
                 def step(c, carry, *, masked):
                     dk, dv = carry
                     slot = lax.rem(g * n_c + c - L, stages)
@@ -419,10 +414,7 @@ def _dkv_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, 
         bars = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),   # Q + lse; dO + delta
                 plgpu.Barrier(num_arrivals=2, num_barriers=stages),
                 plgpu.Barrier(num_barriers=2), plgpu.Barrier(num_barriers=2))
-        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons,
-                      collective_axes="wg")
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, collective_axes="wg")
 
     seg_args = (q_seg, kv_seg) if has_seg else (jnp.zeros((1, 1), jnp.int32),) * 2
     return plgpu.kernel(

@@ -177,8 +177,7 @@ def _forward_kernel(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, caus
         if causal:   # later query tiles see more keys: start them first (no tail of long tiles)
             qt = n_qt - 1 - qt
         wg = lax.axis_index("wg")
-        (qo_smems, k_smems, v_smems, lse_smems, stage_smems), (k_bar, v_bar, q_bar), \
-            _cons, _sched = scoped
+        (qo_smems, k_smems, v_smems, lse_smems, stage_smems), (k_bar, v_bar, q_bar) = scoped
         q_smems, o_smems = qo_smems
         sig = Sync(("k", "v"), stages=stages)
         L = ctab_ref[b, qt, 0]
@@ -257,7 +256,7 @@ def _forward_kernel(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, caus
                 load(ki, lax.rem(ki - L, stages), wait=True)
 
             @pl.loop(jnp.maximum(H - stages, L), H)
-            def _(ki):   # observe the last consumptions too (GPU interpret mode checks phases)
+            def _(ki):   # the last frees too: no named-barrier arrival is left unmatched at exit
                 slot = lax.rem(ki - L, stages)
                 sig.wait_free("k", slot)
                 sig.wait_free("v", slot)
@@ -272,12 +271,8 @@ def _forward_kernel(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, caus
         smems = (qo, tiled((stages, bkv, Dqk), dtype), tiled((stages, bkv, Dv), dtype),
                  plgpu.SMEM((2, bq), jnp.float32), stage)
         bars = (plgpu.Barrier(num_barriers=stages), plgpu.Barrier(num_barriers=stages),
-                plgpu.Barrier(num_barriers=2))
-        cons = (plgpu.Barrier(num_arrivals=2, num_barriers=stages),
-                plgpu.Barrier(num_arrivals=2, num_barriers=stages))
-        sched = plgpu.Barrier(num_arrivals=1, num_barriers=2)
-        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, cons, sched,
-                      collective_axes="wg")
+                plgpu.Barrier(num_barriers=2))   # TMA completion: K, V slots; Q per warpgroup
+        pl.run_scoped(lambda *scoped: kernel(*refs, scoped), smems, bars, collective_axes="wg")
 
     out_type = (jax.ShapeDtypeStruct((B, Tp, N, Dv), dtype),
                 jax.ShapeDtypeStruct((B, N, Tp), jnp.float32))
