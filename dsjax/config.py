@@ -169,6 +169,9 @@ class DataConfig:
     seq_len: int = 256
     batch_size: int = 8  # global batch, rows of seq_len tokens per optimizer micro-step
     seed: int = 0
+    format: str = "text"  # "text": documents; "chat": JSONL conversations, assistant-only loss
+    chat_template: Optional[str] = None  # tokenizer_config.json or .jinja; None: beside tokenizer
+    chat_truncation: str = "drop"  # conversation > seq_len + 1 tokens: drop | drop_turns | cut_tail
 
 
 @dataclass(frozen=True)
@@ -397,6 +400,8 @@ _CHOICES = {
     "mesh.cp_layout": ("striped", "contiguous"),
     "distributed.cpu_collectives": ("gloo", "mpi"),
     "optim.schedule": ("cosine", "wsd", "constant"),
+    "data.format": ("text", "chat"),
+    "data.chat_truncation": ("drop", "drop_turns", "cut_tail"),
     "optim.mu_dtype": ("float32", "bfloat16"),
     "optim.nu_dtype": ("float32", "bfloat16"),
     "model.rope_scaling.type": ("yarn",),
@@ -480,6 +485,11 @@ def validate(cfg: Config) -> None:
                           f"{m.max_position_embeddings}")
     if not 0.0 <= d.val_fraction < 1.0:
         raise ConfigError(f"config: data.val_fraction must be in [0, 1), got {d.val_fraction}")
+    if d.format == "chat" and d.tokenizer is None:
+        raise ConfigError("config: data.format=chat needs data.tokenizer (the checkpoint's "
+                          "tokenizer.json, with its chat template in tokenizer_config.json)")
+    if d.format == "chat" and d.train == ["stdlib"]:
+        raise ConfigError("config: data.format=chat needs data.train: JSONL files of conversations")
     vocab = d.tokenizer_vocab_size or m.vocab_size
     if vocab > m.vocab_size:
         raise ConfigError(f"config: data.tokenizer_vocab_size={vocab} exceeds model.vocab_size={m.vocab_size}")
