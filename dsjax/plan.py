@@ -10,8 +10,8 @@ output, aliased (donated) and temporary bytes. Parameters and optimizer moments 
 also computed exactly from their shardings; the compiled argument size must agree with them
 (the check is printed).
 
-The layer stacks are scanned, so compiling the full depth costs about as much as a shallow
-one. The check: a smaller config (the dense layers plus 1 MoE layer, same widths and layout) is
+With `model.scan_layers` (the V2 and V3 configs set it) the layer stacks are scanned, so
+compiling the full depth costs about as much as a shallow one; unrolled layers compile each. The check: a smaller config (the dense layers plus 1 MoE layer, same widths and layout) is
 compiled the same way; both report compiled argument bytes next to the sharding-derived ones,
 and the difference gives the per-layer cost.
 Temporary bytes come from XLA's CPU buffer assignment of the same partitioned program; the GPU
