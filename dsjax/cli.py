@@ -3,9 +3,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 
 from dsjax import config as C
+from dsjax.checkpoint import CheckpointError
+from dsjax.errors import RunStopped
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -19,7 +22,9 @@ def load_config(args) -> C.Config:
 
 
 def run_main(prog: str, fn) -> None:
-    """Run fn(); turn user errors into one line on stderr and exit status 2."""
+    """Run fn(); turn user errors into one line on stderr and exit status 2, and faults that
+    stop a running job (`RunStopped`: a failed checkpoint write, non-finite training) into one
+    line and exit status 1."""
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     logging.getLogger("dsjax").setLevel(logging.INFO)
     # orbax logs every checkpoint step through absl at INFO, and jax warns about absent TPU
@@ -27,12 +32,26 @@ def run_main(prog: str, fn) -> None:
     try:
         from absl import logging as absl_logging
 
-        absl_logging.set_verbosity(absl_logging.ERROR)
+        # FATAL: orbax also logs a failed background save as multi-line ERROR tracebacks; the
+        # failure reaches us as CheckpointError and is reported once, on one line
+        absl_logging.set_verbosity(absl_logging.FATAL)
     except ImportError:  # pragma: no cover
         pass
     logging.getLogger("jax._src.xla_bridge").setLevel(logging.ERROR)
+    logging.getLogger("absl").setLevel(logging.CRITICAL)
     try:
         fn()
     except (C.ConfigError, FileNotFoundError, FileExistsError, ValueError) as e:
         print(f"{prog}: error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+    except CheckpointError as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        # orbax's save threads are not daemons: after a failed background write, interpreter
+        # shutdown can wait on them for ever. The last committed checkpoint is complete on disk
+        # (orbax commits by rename), so nothing is lost by not waiting.
+        os._exit(1)
+    except RunStopped as e:
+        print(f"{prog}: error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
