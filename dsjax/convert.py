@@ -28,7 +28,7 @@ from dsjax.cli import run_main
 from dsjax.hf import load_hf, save_hf
 from dsjax.model import abstract_model
 from dsjax.train.optim import build_optimizer
-from dsjax.train.step import init_state
+from dsjax.train.step import init_state, initial_loss_scale
 
 log = logging.getLogger("dsjax.convert")
 
@@ -58,7 +58,7 @@ def from_hf(hf_dir: str | Path, out: str | Path, config: str | None = None,
     else:
         log.warning("convert: %s has no tokenizer.json; dsjax.generate needs RUN_DIR/tokenizer.json", hf_dir)
     tx, _ = build_optimizer(cfg.optim, cfg.train.steps)
-    state = init_state(params, rest, tx)
+    state = init_state(params, rest, tx, initial_loss_scale(cfg))
     ck = Checkpointer(ckpt_dir, dataclasses.replace(cfg.checkpoint, async_save=False))
     ck.save(0, state, {}, C.to_dict(cfg))
     ck.wait()

@@ -4,8 +4,12 @@ The train state is a pytree of plain dicts:
   params   nnx.Param leaves as a pure dict (fp32 master weights)
   rest     non-parameter state (noaux_tc router biases [L_moe, E]), updated outside the optimizer
   opt      optax state;  step  int32 optimizer steps taken
-  loss_scale, good_steps   dynamic loss scaling (fp16 compute only; 1.0 otherwise)
+  loss_scale, good_steps   dynamic loss scaling (fp16 compute only: starts at INITIAL_SCALE,
+           x2 after GROWTH_INTERVAL finite steps, x0.5 and the update skipped on a non-finite one;
+           1.0 otherwise)
   skipped  updates skipped for non-finite gradients;  nonfinite_step  first such step, or -1
+  bad_steps  consecutive steps with non-finite gradients, 0 after a finite one (the loop stops
+           the run at train.max_skipped_steps)
 
 A batch holds `inputs, targets, loss_mask, segment_ids, positions`, each [A, B, T] where A is
 train.grad_accum (micro-batches scanned). The loss is the cross-entropy summed over real target
@@ -45,16 +49,23 @@ def init_model(cfg: Config, seed: int | None = None):
     return fns, ps.to_pure_dict(), rs.to_pure_dict()
 
 
-def init_state(params, rest, tx: optax.GradientTransformation) -> dict:
+def initial_loss_scale(cfg: Config) -> float:
+    """INITIAL_SCALE under fp16 compute (dynamic loss scaling), 1.0 otherwise."""
+    return INITIAL_SCALE if cfg.model.dtype == "float16" else 1.0
+
+
+def init_state(params, rest, tx: optax.GradientTransformation, loss_scale: float = 1.0) -> dict:
+    """The train state of fresh params; `loss_scale`: `initial_loss_scale(cfg)` for training."""
     return {
         "params": params,
         "rest": rest,
         "opt": tx.init(params),
         "step": jnp.zeros((), jnp.int32),
-        "loss_scale": jnp.asarray(1.0, jnp.float32),
+        "loss_scale": jnp.asarray(loss_scale, jnp.float32),
         "good_steps": jnp.zeros((), jnp.int32),
         "skipped": jnp.zeros((), jnp.int32),
         "nonfinite_step": jnp.asarray(-1, jnp.int32),
+        "bad_steps": jnp.zeros((), jnp.int32),
     }
 
 
@@ -215,6 +226,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             new_bias = update_router_bias(bias, aux["mtp_expert_counts"], mcfg.router_bias_update_rate)
             mlp["e_score_correction_bias"] = jnp.where(ok, new_bias, bias)
         new_state["skipped"] = state["skipped"] + (~finite).astype(jnp.int32)
+        new_state["bad_steps"] = jnp.where(finite, 0, state["bad_steps"] + 1)
         new_state["nonfinite_step"] = jnp.where(
             (state["nonfinite_step"] < 0) & ~finite, state["step"], state["nonfinite_step"])
         if fp16:
