@@ -186,6 +186,7 @@ class TrainConfig:
     eval_every: int = 100
     eval_batches: int = 8
     skip_nonfinite: bool = False  # bf16/fp32: skip a non-finite update instead of stopping
+    max_skipped_steps: int = 20  # stop after this many consecutive skipped (non-finite) steps
     progress: bool = True
     tensorboard: bool = True
     peak_tflops: Optional[float] = None  # per device; default from the device kind
@@ -336,9 +337,30 @@ def _merge(a: dict, b: dict) -> dict:
     return out
 
 
+class _Loader(yaml.BaseLoader):
+    """Every scalar as text (typed later by the schema); a key given twice in one mapping is an
+    error (a plain loader keeps the last one silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        if isinstance(node, yaml.MappingNode):
+            seen = set()
+            for key_node, _ in node.value:
+                key = self.construct_object(key_node, deep=True)
+                try:
+                    dup = key in seen
+                except TypeError:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, "a key must be a scalar", key_node.start_mark) from None
+                if dup:
+                    raise yaml.constructor.ConstructorError(
+                        None, None, f"duplicate key '{key}'", key_node.start_mark)
+                seen.add(key)
+        return super().construct_mapping(node, deep=deep)
+
+
 def _read_yaml(text: str, where: str) -> Any:
     try:
-        return yaml.load(text, Loader=yaml.BaseLoader)  # every scalar as text; typed by the schema
+        return yaml.load(text, Loader=_Loader)
     except yaml.YAMLError as e:
         line = getattr(getattr(e, "problem_mark", None), "line", None)
         at = f" line {line + 1}" if line is not None else ""
@@ -357,7 +379,12 @@ def load(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] 
         p = Path(path)
         if not p.is_file():
             raise FileNotFoundError(f"config: file not found: {p}")
-        data = _read_yaml(p.read_text(), str(p))
+        try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"config: {p}: not UTF-8 text (byte {e.object[e.start]:#04x} at offset "
+                              f"{e.start})") from None
+        data = _read_yaml(text, str(p))
         if data is not None and not isinstance(data, dict):
             raise ConfigError(f"config: {p}: top level must be a mapping of sections")
         tree = data or {}
@@ -408,8 +435,90 @@ _CHOICES = {
 }
 
 
+# The range of every numeric field ("[a, b)": a <= v < b; "(": exclusive; inf: unbounded); a
+# null optional field is not checked. The mesh axis sizes (>= 1 or -1) are checked below.
+_RANGES = {
+    "model.vocab_size": "[1, inf)", "model.hidden_size": "[1, inf)",
+    "model.intermediate_size": "[0, inf)", "model.moe_intermediate_size": "[0, inf)",
+    "model.num_hidden_layers": "[1, inf)", "model.num_attention_heads": "[1, inf)",
+    "model.q_lora_rank": "[0, inf)", "model.kv_lora_rank": "[1, inf)",
+    "model.qk_nope_head_dim": "[1, inf)", "model.qk_rope_head_dim": "[2, inf)",
+    "model.v_head_dim": "[1, inf)", "model.n_routed_experts": "[0, inf)",
+    "model.n_shared_experts": "[0, inf)", "model.num_experts_per_tok": "[1, inf)",
+    "model.n_group": "[1, inf)", "model.topk_group": "[1, inf)",
+    "model.routed_scaling_factor": "(0, inf)", "model.first_k_dense_replace": "[0, inf)",
+    "model.rope_theta": "(0, inf)", "model.rms_norm_eps": "(0, inf)",
+    "model.max_position_embeddings": "[1, inf)", "model.num_nextn_predict_layers": "[0, inf)",
+    "model.initializer_range": "[0, inf)", "model.router_bias_update_rate": "[0, inf)",
+    "model.aux_loss_alpha": "[0, inf)", "model.mtp_loss_weight": "[0, inf)",
+    "model.rope_scaling.factor": "(0, inf)", "model.rope_scaling.original_max_position_embeddings": "[1, inf)",
+    "model.rope_scaling.beta_fast": "(0, inf)", "model.rope_scaling.beta_slow": "(0, inf)",
+    "model.rope_scaling.mscale": "[0, inf)", "model.rope_scaling.mscale_all_dim": "[0, inf)",
+    "model.rope_scaling.attention_factor": "(0, inf)",
+    "distributed.num_processes": "[1, inf)", "distributed.process_id": "[0, inf)",
+    "distributed.initialization_timeout": "[1, inf)", "distributed.heartbeat_timeout": "[1, inf)",
+    "optim.learning_rate": "[0, inf)", "optim.warmup_steps": "[0, inf)", "optim.decay_steps": "[1, inf)",
+    "optim.min_lr_ratio": "[0, 1]", "optim.wsd_decay_fraction": "[0, 1]", "optim.b1": "[0, 1)",
+    "optim.b2": "(0, 1)", "optim.eps": "(0, inf)", "optim.weight_decay": "[0, inf)",
+    "optim.grad_clip_norm": "[0, inf)",  # 0: no clipping
+    "data.tokenizer_vocab_size": "[1, inf)", "data.val_fraction": "[0, 1)", "data.seq_len": "[1, inf)",
+    "data.batch_size": "[1, inf)", "data.seed": "[0, 4294967296)",
+    "train.steps": "[0, inf)", "train.grad_accum": "[1, inf)", "train.seed": "[0, 4294967296)",
+    "train.log_every": "[1, inf)", "train.eval_every": "[1, inf)", "train.eval_batches": "[1, inf)",
+    "train.max_skipped_steps": "[1, inf)", "train.peak_tflops": "(0, inf)",
+    "checkpoint.every": "[1, inf)", "checkpoint.max_to_keep": "[1, inf)",
+}
+
+
+def _in_range(v, interval: str) -> bool:
+    lo_text, hi_text = (t.strip() for t in interval[1:-1].split(","))
+    lo, hi = float(lo_text), float(hi_text)
+    above = v >= lo if interval[0] == "[" else v > lo
+    below = v <= hi if interval[-1] == "]" else v < hi
+    return above and below
+
+
+def _get(cfg, key: str):
+    obj = cfg
+    for part in key.split("."):
+        obj = getattr(obj, part) if obj is not None else None
+    return obj
+
+
+def numeric_fields(cls=None, prefix: str = "") -> list[str]:
+    """Dotted keys of every int/float field of the schema (nested sections included)."""
+    cls = Config if cls is None else cls
+    out = []
+    for name, tp in typing.get_type_hints(cls).items():
+        tp, _ = _strip_optional(tp)
+        key = f"{prefix}{name}"
+        if dataclasses.is_dataclass(tp):
+            out += numeric_fields(tp, key + ".")
+        elif tp in (int, float):
+            out.append(key)
+    return out
+
+
 def validate(cfg: Config) -> None:
-    """Cross-field checks; raises `ConfigError` naming the offending key."""
+    """Ranges of every numeric field and cross-field checks; raises `ConfigError` naming the
+    offending key."""
+    for key in numeric_fields():
+        v = _get(cfg, key)
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ConfigError(f"config: {key} must be a finite number, got {v}")
+        if v is not None and key in _RANGES and not _in_range(v, _RANGES[key]):
+            raise ConfigError(f"config: {key} must be in {_RANGES[key]}, got {v}")
+    d = cfg.data
+    if not d.train:
+        raise ConfigError("config: data.train must name at least one source ('stdlib', files, "
+                          "directories or globs)")
+    for name in ("train", "validation"):
+        for i, src in enumerate(getattr(d, name)):
+            if not src.strip():
+                raise ConfigError(f"config: data.{name}[{i}] is empty")
+    for key in ("train.run_dir", "data.cache_dir"):
+        if not _get(cfg, key).strip():
+            raise ConfigError(f"config: {key} must not be empty")
     for key, choices in _CHOICES.items():
         obj = cfg
         for part in key.split("."):
