@@ -1,4 +1,4 @@
-"""`python -m dsjax.train --config configs/tiny.yaml [--set key=value ...] [--resume]`."""
+"""`python -m dsjax.train --config configs/tiny.yaml [--set key=value ...] [--resume | --resume-from-intact]`."""
 from __future__ import annotations
 
 import argparse
@@ -12,9 +12,13 @@ def main() -> None:
     p = argparse.ArgumentParser(prog="python -m dsjax.train", description=__doc__)
     add_config_args(p)
     p.add_argument("--resume", action="store_true", help="continue from the newest complete checkpoint")
+    p.add_argument("--resume-from-intact", action="store_true",
+                   help="like --resume, but if the newest checkpoint is damaged (its files do not match "
+                        "their checksums), continue from the newest intact one and move the damaged "
+                        "steps to RUN_DIR/checkpoints-damaged/")
     args = p.parse_args()
     cfg = load_config(args)  # fails here, before any work, on a bad key or value
-    summary = train(cfg, resume=args.resume)
+    summary = train(cfg, resume=args.resume, from_intact=args.resume_from_intact)
     val = summary["val_loss"]
     # tokens_per_s: the whole run's average over train_s (training-loop time without the first,
     # compiling step and without evaluations; see dsjax.train.loop.train)

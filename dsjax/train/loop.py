@@ -34,10 +34,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer, abstract_like
 from dsjax.data import Documents, PackedLoader, expand_sources, load_or_train, split_files, stdlib_files
+from dsjax.errors import RunStopped
 from dsjax.hf import load_hf_params
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
-from dsjax.train.step import init_model, init_state, make_eval_step, make_train_step
+from dsjax.train.step import init_model, init_state, initial_loss_scale, make_eval_step, make_train_step
 from sharding import distributed as sdist
 from sharding import rules as shr
 from sharding.mesh import make_mesh
@@ -45,10 +46,13 @@ from sharding.ring_attention import stripe
 
 log = logging.getLogger("dsjax.train")
 SIGTERM_EXIT = 143
+MIN_BPE_VOCAB = 258  # the trained BPE's 256 byte symbols and its EOS and pad tokens
 
 
-class NonFiniteError(RuntimeError):
-    """Raised when gradients are non-finite under bf16/fp32 and skipping is not configured."""
+class NonFiniteError(RunStopped):
+    """Non-finite training: gradients under bf16/fp32 without skipping, train.max_skipped_steps
+    consecutive skipped steps (fp16 loss scaling or train.skip_nonfinite), or a non-finite
+    validation loss."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,15 +114,15 @@ def state_shardings(fns, tx, par: Parallel, abstract_state: dict) -> dict:
     return out
 
 
-def create_state(fns, params, rest, tx, par: Parallel):
+def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0):
     """Place params/rest and build the optimizer state in their shardings.
 
     Returns (state, shardings)."""
-    abstract = jax.eval_shape(lambda p, r: init_state(p, r, tx), params, rest)
+    abstract = jax.eval_shape(lambda p, r: init_state(p, r, tx, loss_scale), params, rest)
     sh = state_shardings(fns, tx, par, abstract)
     params = jax.device_put(params, sh["params"])
     rest = jax.device_put(rest, sh["rest"])
-    state = jax.jit(lambda p, r: init_state(p, r, tx), out_shardings=sh)(params, rest)
+    state = jax.jit(lambda p, r: init_state(p, r, tx, loss_scale), out_shardings=sh)(params, rest)
     return state, sh
 
 
@@ -163,11 +167,14 @@ def jit_eval_step(cfg: C.Config, fns, par: Parallel, shardings: dict):
                    out_shardings=NamedSharding(par.mesh, P()))
 
 
-def build_data(cfg: C.Config):
+def build_data(cfg: C.Config, run_tokenizer: Path | None = None):
     """Tokenizer, training loader and validation loader for `cfg.data`.
 
+    run_tokenizer: the tokenizer.json of the run being resumed; it is used as is (the saved
+      weights belong to it), and a data.tokenizer with other contents is an error.
     Returns (tok, train_loader, val_loader or None). The training loader yields
     batch_size * grad_accum rows per step.
+    Raises FileNotFoundError (a missing source) or ConfigError before any tokenizer training.
     """
     d = cfg.data
     if d.train == ["stdlib"]:
@@ -182,9 +189,20 @@ def build_data(cfg: C.Config):
         else:
             train_files, val_files = files, []
     vocab = d.tokenizer_vocab_size or cfg.model.vocab_size
+    tok_file = d.tokenizer
+    if run_tokenizer is not None:
+        if d.tokenizer is not None and Path(d.tokenizer).is_file() and \
+                Path(d.tokenizer).read_bytes() != run_tokenizer.read_bytes():
+            raise C.ConfigError(f"config: data.tokenizer={d.tokenizer} differs from the tokenizer of the "
+                                f"run being resumed ({run_tokenizer})")
+        tok_file = run_tokenizer
+    elif tok_file is None and vocab < MIN_BPE_VOCAB:
+        raise C.ConfigError(f"config: the byte-level BPE trained for this run needs a vocabulary of at "
+                            f"least {MIN_BPE_VOCAB} (256 bytes and 2 special tokens): "
+                            f"model.vocab_size / data.tokenizer_vocab_size is {vocab}")
     cache = Path(d.cache_dir).expanduser()
     train_docs = Documents(train_files, d.jsonl_text_field)
-    tok = load_or_train(cache, vocab, train_docs, d.tokenizer)
+    tok = load_or_train(cache, vocab, train_docs, tok_file)
     if tok.vocab_size > cfg.model.vocab_size:
         raise C.ConfigError(f"config: model.vocab_size={cfg.model.vocab_size} is smaller than the "
                             f"tokenizer's {tok.vocab_size} tokens ({tok.path})")
@@ -208,42 +226,54 @@ def evaluate(eval_step, params, rest, val: PackedLoader, max_batches: int, par: 
     return nll / max(n, 1.0)
 
 
-def train(cfg: C.Config, resume: bool = False) -> dict:
+def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dict:
     """Train per `cfg`; returns a summary dict: val_loss and train_loss {step: loss}, steps,
     wall_s (the whole call), first_step_s (the first step, mostly compilation), and
     tokens_per_s / train_s: the run's average target tokens per second over train_s, the
     training-loop time after the first step without evaluations (absent if no step ran).
 
+    Every input (data sources, tokenizer, and on resume the checkpoint's checksums, state and
+    loader position) is checked before anything in RUN_DIR is written; a resumed run keeps its
+    tokenizer.json. `from_intact` (implies resume): if the newest checkpoint is damaged, continue
+    from the newest intact one and move the damaged steps to RUN_DIR/checkpoints-damaged/.
+
     Raises:
       FileExistsError: RUN_DIR already holds checkpoints and `resume` is False.
-      NonFiniteError: non-finite gradients under bf16/fp32 without train.skip_nonfinite.
+      CheckpointError: a checkpoint is damaged (without `from_intact`) or a save failed.
+      NonFiniteError: non-finite gradients under bf16/fp32 without train.skip_nonfinite,
+        train.max_skipped_steps consecutive skipped steps, or a non-finite validation loss.
       SystemExit(143): after saving a checkpoint on SIGTERM.
     """
     t0 = time.time()
     tc = cfg.train
+    resume = resume or from_intact
     par = setup_parallel(cfg)
     run_dir = Path(tc.run_dir)
-    ckpt = Checkpointer(run_dir / "checkpoints", cfg.checkpoint)
-    if ckpt.latest_step() is not None and not resume:
+    ckpt_dir = run_dir / "checkpoints"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise FileExistsError(f"train.run_dir {run_dir} exists and is not a directory")
+    old = Checkpointer(ckpt_dir, read_only=True) if ckpt_dir.is_dir() else None
+    latest = old.latest_step() if old is not None else None
+    if latest is not None and not resume:
         raise FileExistsError(f"train.run_dir {run_dir} already holds checkpoints "
-                              f"(step {ckpt.latest_step()}): pass --resume, or choose another run_dir")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
-
-    tok, train_loader, val_loader = build_data(cfg)
-    if Path(tok.path).resolve() != (run_dir / "tokenizer.json").resolve():
-        shutil.copyfile(tok.path, run_dir / "tokenizer.json")
+                              f"(step {latest}): pass --resume, or choose another run_dir")
+    run_tok = run_dir / "tokenizer.json"
+    tok, train_loader, val_loader = build_data(cfg, run_tok if latest is not None and run_tok.is_file() else None)
 
     fns, params, rest = init_model(cfg)
     if tc.init_from_hf:
         params, rest = load_hf_params(tc.init_from_hf, cfg.model, params, rest)
     tx, schedule = build_optimizer(cfg.optim, tc.steps)
-    state, shardings = create_state(fns, params, rest, tx, par)
+    state, shardings = create_state(fns, params, rest, tx, par, initial_loss_scale(cfg))
     del params, rest
-    start = 0
-    if resume and ckpt.latest_step() is not None:
+    start, damaged = 0, {}
+    if latest is not None:
+        step_to, damaged = old.check_restorable(from_intact=from_intact)
+        for s_bad, problem in sorted(damaged.items()):
+            log.warning("checkpoint step %d is damaged (%s): --resume-from-intact continues from step %d",
+                        s_bad, problem, step_to)
         # restores into this run's shardings, whatever mesh wrote the checkpoint
-        state, data_state, _, start = ckpt.restore(abstract_like(state))
+        state, data_state, _, start = old.restore(abstract_like(state), step_to, verified=True)
         if data_state:
             train_loader.restore(data_state)
         else:  # e.g. a run written by `dsjax.convert --from-hf`: weights only
@@ -254,7 +284,21 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
             log.warning("--resume: the checkpoint is at step %d and train.steps is %d: nothing "
                         "to train (raise train.steps to continue)", start, tc.steps)
     elif resume:  # the same command can restart a preemptible job, so this is not an error
-        log.warning("--resume: no checkpoint in %s yet: starting from step 0", run_dir / "checkpoints")
+        log.warning("--resume: no checkpoint in %s yet: starting from step 0", ckpt_dir)
+    if old is not None:
+        old.close()
+
+    # every input is checked: from here on the run directory is written
+    run_dir.mkdir(parents=True, exist_ok=True)
+    for s_bad in sorted(damaged):
+        aside = run_dir / "checkpoints-damaged" / str(s_bad)
+        aside.parent.mkdir(exist_ok=True)
+        shutil.move(str(ckpt_dir / str(s_bad)), str(aside))
+        log.warning("moved damaged checkpoint step %d to %s", s_bad, aside)
+    (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
+    if Path(tok.path).resolve() != run_tok.resolve():
+        shutil.copyfile(tok.path, run_tok)
+    ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
 
     train_step = jit_train_step(cfg, fns, tx, schedule, par, shardings)
     eval_step = jit_eval_step(cfg, fns, par, shardings)
@@ -279,8 +323,19 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
 
     def check_nonfinite() -> None:
         """Stop (bf16/fp32 without skip_nonfinite) once a step had non-finite gradients; the
-        train step applied no update from that step on, so the state is the last good one."""
+        train step applied no update from that step on, so the state is the last good one.
+        Where such steps are skipped instead (fp16 loss scaling, train.skip_nonfinite), stop
+        once train.max_skipped_steps consecutive steps were skipped."""
         if cfg.model.dtype == "float16" or tc.skip_nonfinite:
+            bad = int(jax.device_get(state["bad_steps"]))
+            if bad >= tc.max_skipped_steps:
+                first = step - bad + 1
+                scale = float(jax.device_get(state["loss_scale"]))
+                raise NonFiniteError(
+                    f"non-finite gradients in {bad} consecutive steps ({first} to {step}): "
+                    f"train.max_skipped_steps={tc.max_skipped_steps} reached at step "
+                    f"{first + tc.max_skipped_steps - 1} (loss scale now {scale:.3g}); lower "
+                    f"optim.learning_rate or use model.dtype=bfloat16")
             return
         nf = int(jax.device_get(state["nonfinite_step"]))
         if nf >= 0:
@@ -288,8 +343,15 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
                                  f"then on; set train.skip_nonfinite=true to skip such steps instead")
 
     summary = {"val_loss": {}, "train_loss": {}}
+
+    def check_val(at: int, v: float) -> None:
+        if not np.isfinite(v):
+            raise NonFiniteError(f"validation loss is {v} at step {at}: the parameters are not "
+                                 f"finite or the model overflows in {cfg.model.dtype}")
+
     if val_loader is not None and start == 0:
         v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
+        check_val(0, v)
         summary["val_loss"][0] = v
         writer.write(0, {"val_loss": v, "elapsed_s": time.time() - t0})
         say(f"step 0 val_loss {v:.4f}")
@@ -306,6 +368,7 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
             batch = global_batch(par, next(train_loader), tc.grad_accum)
             state, metrics = train_step(state, batch)
             pending = metrics
+            ckpt.poll()  # a failed background save stops the run here, within one step
             if step == start + 1:  # the first step compiles: keep it out of tokens/s
                 jax.block_until_ready(metrics)
                 summary["first_step_s"] = time.time() - last_t
@@ -344,6 +407,8 @@ def train(cfg: C.Config, resume: bool = False) -> dict:
                 summary["val_loss"][step] = v
                 writer.write(step, {"val_loss": v, "elapsed_s": time.time() - t0})
                 say(f"step {step} val_loss {v:.4f}")
+                check_nonfinite()
+                check_val(step, v)
             if step % cfg.checkpoint.every == 0 or last_of_run or stop["sigterm"]:
                 check_nonfinite()  # never checkpoint past a halted step
                 ckpt.save(step, state, train_loader.state(), cfg_dict)
