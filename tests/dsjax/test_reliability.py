@@ -1,0 +1,496 @@
+"""A run never hangs, never lies and never damages what it wrote: failed checkpoint writes
+(sync and background), fp16 loss-scale policy and runaway skipping, NaN validation loss, resume
+that leaves the run directory alone until every input is checked, checkpoint checksums with an
+explicit fallback, and a fuzz test of malformed configs."""
+import dataclasses
+import errno
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import threading
+import time
+import typing
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from orbax.checkpoint._src.path import async_path
+
+import dsjax  # noqa: F401
+from dsjax import config as C
+from dsjax.checkpoint import CHECKSUMS, Checkpointer, CheckpointError, abstract_like
+from dsjax.cli import run_main
+from dsjax.data import stdlib_files
+from dsjax.train import loop
+from dsjax.train.optim import build_optimizer
+from dsjax.train.step import INITIAL_SCALE, init_model, init_state, initial_loss_scale
+
+ROOT = Path(__file__).resolve().parents[2]
+NAMES = {"textwrap.py", "bisect.py", "heapq.py", "fnmatch.py", "shlex.py", "colorsys.py", "queue.py", "glob.py"}
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    d = tmp_path_factory.mktemp("corpus")
+    for f in stdlib_files():
+        if f.name in NAMES and f.parent.name != "asyncio":
+            shutil.copy(f, d / f.name)
+    return d
+
+
+def small_sets(corpus, tmp, *extra):
+    return [f"data.train=[{corpus}/*.py]", "data.validation=[]", "data.val_fraction=0.25",
+            f"data.cache_dir={tmp}/cache", "data.seq_len=32", "data.batch_size=4", "model.vocab_size=300",
+            "model.num_hidden_layers=2", "model.first_k_dense_replace=1", f"train.run_dir={tmp}/run",
+            "train.progress=false", "train.tensorboard=false", "train.log_every=1", "train.eval_every=1000",
+            "train.eval_batches=1", *extra]
+
+
+def small(corpus, tmp, *extra):
+    return C.load(ROOT / "configs" / "tiny.yaml", small_sets(corpus, tmp, *extra))
+
+
+def logged_steps(run_dir):
+    recs = [json.loads(l) for l in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in recs if "loss" in r]
+
+
+def snapshot(run_dir):
+    """{relative path: bytes} of the run directory's files outside checkpoints/."""
+    run_dir = Path(run_dir)
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in run_dir.rglob("*")
+            if p.is_file() and "checkpoints" not in p.relative_to(run_dir).parts}
+
+
+# ---------------------------------------------------------------------------------------------
+# Failed checkpoint writes
+# ---------------------------------------------------------------------------------------------
+
+def commit_fault(monkeypatch, fail_step, kind):
+    """Fault at the commit of step `fail_step` (orbax renames its temporary directory to
+    checkpoints/<step>; in the background thread for an async save). kind "file": a plain file
+    already sits at checkpoints/<step> (the rename is refused: FileExistsError); kind "enospc": a
+    mocked writer fails with ENOSPC. Both hit root as well. Returns an Event set once it fired."""
+    fired = threading.Event()
+    real = async_path.rename
+
+    async def rename(src, dst):
+        if Path(str(dst)).name == str(fail_step) and Path(str(dst)).parent.name == "checkpoints":
+            try:
+                if kind == "enospc":
+                    raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(src))
+                Path(str(dst)).write_text("not a checkpoint")
+                return await real(src, dst)
+            finally:
+                fired.set()
+        return await real(src, dst)
+
+    monkeypatch.setattr(async_path, "rename", rename)
+    return fired
+
+
+@pytest.mark.parametrize("async_save, kind", [(True, "file"), (False, "enospc")])
+def test_failed_save_stops_the_run_within_one_step(corpus, tmp_path, monkeypatch, async_save, kind):
+    cfg = small(corpus, tmp_path, "train.steps=12", "checkpoint.every=2",
+                f"checkpoint.async_save={str(async_save).lower()}")
+    fired = commit_fault(monkeypatch, 4, kind)
+    polls_after_fault = []
+    real_poll = Checkpointer.poll
+
+    def poll(self):
+        # let a pending background save finish first, so that the step after the failed save's
+        # start is the one that must stop (on a fast machine that is what happens anyway)
+        while self._pending is not None and self.manager.is_saving_in_progress():
+            time.sleep(0.01)
+        late = fired.is_set()
+        try:
+            real_poll(self)
+        finally:
+            if late:
+                polls_after_fault.append(late)
+
+    monkeypatch.setattr(Checkpointer, "poll", poll)
+    with pytest.raises(CheckpointError) as e:
+        loop.train(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "saving step 4" in msg, msg
+    assert str(Path(cfg.train.run_dir).absolute() / "checkpoints" / "4") in msg, msg
+    assert ("checkpoints/4 already exists" if kind == "file" else "[Errno 28] No space left on device") in msg, msg
+    assert fired.is_set()
+    if async_save:  # the first step boundary after the background failure stops the run
+        assert polls_after_fault == [True], polls_after_fault
+    else:  # the save itself raises: no further step runs
+        assert max(r["step"] for r in logged_steps(cfg.train.run_dir)) == 4
+    # the last complete checkpoint is intact and restores
+    ck = Checkpointer(Path(cfg.train.run_dir) / "checkpoints", read_only=True)
+    assert ck.latest_step() == 2 and ck.verify(2) is None
+    fns, p, r = init_model(cfg)
+    tx, _ = build_optimizer(cfg.optim, cfg.train.steps)
+    state, data, _, step = ck.restore(abstract_like(init_state(p, r, tx)))
+    assert step == 2 and int(state["step"]) == 2 and data["cursors"]
+
+
+def test_failed_background_save_cli_one_line_no_hang(corpus, tmp_path):
+    # the CLI path: exit status 1, one error line, no traceback, and the process ends (a failed
+    # background save used to leave orbax threads that kept the interpreter alive)
+    driver = tmp_path / "driver.py"
+    driver.write_text(
+        "import asyncio, sys\n"
+        "from pathlib import Path\n"
+        "from orbax.checkpoint._src.path import async_path\n"
+        "real = async_path.rename\n"
+        "async def rename(src, dst):\n"
+        "    if Path(str(dst)).name == '4':\n"
+        "        Path(str(dst)).write_text('x')\n"
+        "    return await real(src, dst)\n"
+        "async_path.rename = rename\n"
+        "from dsjax.cli import run_main\n"
+        "from dsjax.train.__main__ import main\n"
+        "sys.argv[0] = 'dsjax.train'\n"
+        "run_main('dsjax.train', main)\n")
+    args = [sys.executable, str(driver), "--config", str(ROOT / "configs" / "tiny.yaml")]
+    for s in small_sets(corpus, tmp_path, "train.steps=40", "checkpoint.every=2"):
+        args += ["--set", s]
+    r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 1, r.stderr[-3000:]
+    errors = [l for l in r.stderr.splitlines() if "error" in l.lower()]
+    assert len(errors) == 1 and errors[0].startswith("dsjax.train: error: checkpoint: saving step 4"), r.stderr
+    assert "Traceback" not in r.stderr and "already exists" in errors[0]
+    assert max(x["step"] for x in logged_steps(tmp_path / "run")) < 40
+    assert Checkpointer(tmp_path / "run" / "checkpoints", read_only=True).latest_step() == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# fp16 loss scaling, runaway skipping, non-finite validation loss
+# ---------------------------------------------------------------------------------------------
+
+def test_fp16_initial_scale_is_2_to_the_15(corpus, tmp_path):
+    cfg = small(corpus, tmp_path, "model.dtype=float16")
+    assert initial_loss_scale(cfg) == INITIAL_SCALE == 2.0 ** 15
+    assert initial_loss_scale(small(corpus, tmp_path, "model.dtype=bfloat16")) == 1.0
+    fns, p, r = init_model(cfg)
+    tx, _ = build_optimizer(cfg.optim, 10)
+    par = loop.setup_parallel(cfg)
+    state, _ = loop.create_state(fns, p, r, tx, par, initial_loss_scale(cfg))
+    assert float(state["loss_scale"]) == 2.0 ** 15 and int(state["bad_steps"]) == 0
+
+
+def test_fp16_runaway_skipping_stops_naming_the_step(corpus, tmp_path):
+    # learning rate 1e6: after the first update every fp16 forward overflows, so every later
+    # step is skipped; the run must stop after train.max_skipped_steps of them, not skip forever
+    cfg = small(corpus, tmp_path, "model.dtype=float16", "optim.learning_rate=1e6", "optim.warmup_steps=0",
+                "train.steps=30", "train.max_skipped_steps=4", "checkpoint.every=1000")
+    with pytest.raises(loop.NonFiniteError) as e:
+        loop.train(cfg)
+    msg = str(e.value)
+    assert "\n" not in msg and "4 consecutive steps" in msg and "reached at step" in msg, msg
+    recs = logged_steps(cfg.train.run_dir)
+    assert recs[0]["loss_scale"] == 2.0 ** 15  # the documented initial scale, logged at step 1
+    assert recs[-1]["step"] < 30 and recs[-1]["skipped"] >= 4
+    first = int(msg.split("(")[1].split(" to ")[0])
+    reached = int(msg.split("reached at step ")[1].split(" ")[0])
+    assert reached == first + 3 and all(r["skipped"] == 0 for r in recs if r["step"] < first)
+    assert not list((Path(cfg.train.run_dir) / "checkpoints").glob("[0-9]*"))  # nothing saved past it
+
+
+def test_nan_validation_loss_never_ends_a_run_normally(corpus, tmp_path, capsys):
+    cfg = small(corpus, tmp_path, "model.dtype=float16", "optim.learning_rate=1e6", "optim.warmup_steps=0",
+                "train.steps=3", "train.max_skipped_steps=1000", "checkpoint.every=1000")
+    with pytest.raises(loop.NonFiniteError, match=r"validation loss is (nan|inf) at step 3"):
+        loop.train(cfg)
+    assert not list((Path(cfg.train.run_dir) / "checkpoints").glob("[0-9]*"))
+    # through the CLI wrapper: one line, exit status 1
+
+    def stop():
+        raise loop.NonFiniteError("validation loss is nan at step 3: x")
+
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", stop)
+    assert ex.value.code == 1
+    assert capsys.readouterr().err == "dsjax.train: error: validation loss is nan at step 3: x\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# Resume: nothing rewritten before every input is checked; checksums and --resume-from-intact
+# ---------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def finished_run(corpus, tmp_path_factory):
+    """A 4-step run with checkpoints at steps 2 and 4 (copy it before changing it)."""
+    tmp = tmp_path_factory.mktemp("base")
+    cfg = small(corpus, tmp, "train.steps=4", "checkpoint.every=2", "checkpoint.async_save=true")
+    loop.train(cfg)
+    return tmp
+
+
+def copy_run(finished_run, tmp_path):
+    shutil.copytree(finished_run / "run", tmp_path / "run")
+    shutil.copytree(finished_run / "cache", tmp_path / "cache")
+    return tmp_path / "run"
+
+
+def test_checksums_written_for_every_step(finished_run):
+    ck = Checkpointer(finished_run / "run" / "checkpoints", read_only=True)
+    assert ck.all_steps() == [2, 4]
+    for s in (2, 4):
+        files = json.loads((ck.step_dir(s) / CHECKSUMS).read_text())["files"]
+        assert any(k.startswith("state/") for k in files) and ck.verify(s) is None
+
+
+def test_resume_with_changed_corpus_rewrites_nothing(corpus, finished_run, tmp_path):
+    run = copy_run(finished_run, tmp_path)
+    before = snapshot(run)
+    other = tmp_path / "other"
+    other.mkdir()
+    for f in sorted(corpus.iterdir())[:5]:
+        shutil.copy(f, other / f.name)
+    cfg = small(other, tmp_path, "train.steps=6", "checkpoint.every=2")
+    with pytest.raises(ValueError, match="loader state mismatch on 'num_docs'"):
+        loop.train(cfg, resume=True)
+    assert snapshot(run) == before  # tokenizer.json and config.yaml untouched
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(FileNotFoundError, match="glob matches no file"):
+        loop.train(small(empty, tmp_path, "train.steps=6"), resume=True)
+    assert snapshot(run) == before
+
+
+def test_resume_keeps_the_runs_tokenizer(corpus, finished_run, tmp_path):
+    run = copy_run(finished_run, tmp_path)
+    tok = (run / "tokenizer.json").read_bytes()
+    shutil.rmtree(tmp_path / "cache")  # no cached tokenizer: a fresh one would be trained
+    cfg = small(corpus, tmp_path, "train.steps=5", "checkpoint.every=2")
+    assert loop.train(cfg, resume=True)["steps"] == 5
+    assert (run / "tokenizer.json").read_bytes() == tok
+    assert not list((tmp_path / "cache").glob("bpe_*.json"))  # none was trained
+    assert Checkpointer(run / "checkpoints", read_only=True).latest_step() == 5
+
+
+@pytest.mark.parametrize("damage", ["flip", "truncate", "delete_metadata"])
+def test_damaged_checkpoint_named_and_fallback_only_on_request(corpus, finished_run, tmp_path, damage):
+    run = copy_run(finished_run, tmp_path)
+    step4 = run / "checkpoints" / "4"
+    if damage == "delete_metadata":
+        victim = next(p for p in (step4 / "state").rglob("_METADATA"))
+        victim.unlink()
+    else:
+        victim = max((p for p in (step4 / "state").rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+        data = bytearray(victim.read_bytes())
+        if damage == "flip":
+            data[len(data) // 2: len(data) // 2 + 64] = bytes(64 * [0x7F])
+        else:
+            data = data[: len(data) // 2]
+        victim.write_bytes(bytes(data))
+    before = snapshot(run)
+    cfg = small(corpus, tmp_path, "train.steps=6", "checkpoint.every=2")
+    with pytest.raises(CheckpointError) as e:
+        loop.train(cfg, resume=True)
+    msg = str(e.value)
+    assert "\n" not in msg and "step 4 is damaged" in msg and str(victim) in msg, msg
+    assert "--resume-from-intact restores the newest intact step (2)" in msg
+    assert snapshot(run) == before and step4.is_dir()
+    summary = loop.train(cfg, from_intact=True)
+    assert summary["steps"] == 6
+    assert [r["step"] for r in logged_steps(run)][-4:] == [3, 4, 5, 6]  # continued from step 2
+    assert (run / "checkpoints-damaged" / "4").is_dir()
+    ck = Checkpointer(run / "checkpoints", read_only=True)
+    assert ck.latest_step() == 6 and ck.verify(4) is None and ck.verify(6) is None
+
+
+# ---------------------------------------------------------------------------------------------
+# Config: ranges, YAML oddities, fuzz
+# ---------------------------------------------------------------------------------------------
+
+def test_every_numeric_field_has_a_range():
+    mesh = {f"mesh.{a}" for a in ("data", "fsdp", "expert", "tensor", "context", "devices")}
+    assert set(C.numeric_fields()) - mesh == set(C._RANGES)
+
+
+@pytest.mark.parametrize("override, needle", [
+    ("optim.min_lr_ratio=-1", "optim.min_lr_ratio must be in [0, 1]"),
+    ("optim.b1=1.5", "optim.b1 must be in [0, 1)"),
+    ("optim.b2=1.0", "optim.b2 must be in (0, 1)"),
+    ("optim.weight_decay=-0.1", "optim.weight_decay must be in [0, inf)"),
+    ("optim.grad_clip_norm=-1", "optim.grad_clip_norm must be in [0, inf)"),
+    ("optim.learning_rate=nan", "optim.learning_rate must be a finite number"),
+    ("optim.learning_rate=inf", "optim.learning_rate must be a finite number"),
+    ("optim.learning_rate=-1e-3", "optim.learning_rate must be in [0, inf)"),
+    ("train.eval_every=0", "train.eval_every must be in [1, inf)"),
+    ("train.eval_batches=0", "train.eval_batches must be in [1, inf)"),
+    ("train.eval_batches=-1", "train.eval_batches must be in [1, inf)"),
+    ("optim.decay_steps=0", "optim.decay_steps must be in [1, inf)"),
+    ("data.seed=-1", "data.seed must be in [0, 4294967296)"),
+    ("data.train=[]", "data.train must name at least one source"),
+    ("train.max_skipped_steps=0", "train.max_skipped_steps must be in [1, inf)"),
+])
+def test_out_of_range_values_are_refused(override, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(ROOT / "configs" / "tiny.yaml", [override])
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_duplicate_yaml_key_and_binary_config_name_the_file(tmp_path):
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("optim:\n  learning_rate: 1e-3\n  warmup_steps: 3\n  learning_rate: 2e-3\n")
+    with pytest.raises(C.ConfigError, match=rf"{dup} line 4: invalid YAML \(duplicate key 'learning_rate'\)"):
+        C.load(dup)
+    top = tmp_path / "top.yaml"
+    top.write_text("optim: {b1: 0.9}\noptim: {b2: 0.9}\n")
+    with pytest.raises(C.ConfigError, match="duplicate key 'optim'"):
+        C.load(top)
+    binary = tmp_path / "c.yaml"
+    binary.write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00")
+    with pytest.raises(C.ConfigError, match=rf"config: {binary}: not UTF-8 text \(byte 0x89 at offset 0\)"):
+        C.load(binary)
+
+
+def test_late_errors_come_before_the_run_dir(corpus, tmp_path):
+    cases = [
+        (["data.train=[/nonexistent/dsjax/*.txt]"], FileNotFoundError, "matches no file"),
+        (["data.train=[/nonexistent/dsjax/file.txt]"], FileNotFoundError, "data source not found"),
+        (["model.vocab_size=200"], C.ConfigError, "needs a vocabulary of at least 258"),
+    ]
+    for extra, exc, needle in cases:
+        cfg = small(corpus, tmp_path, *extra)
+        with pytest.raises(exc, match=needle):
+            loop.train(cfg)
+        assert not (tmp_path / "run").exists(), extra
+    # a user tokenizer larger than model.vocab_size: refused before any training or writing
+    tok = tmp_path / "cache"
+    cfg = small(corpus, tmp_path, "train.steps=1")
+    built, _, _ = loop.build_data(cfg)
+    cfg = small(corpus, tmp_path, f"data.tokenizer={built.path}", "model.vocab_size=280")
+    with pytest.raises(C.ConfigError, match="model.vocab_size=280 is smaller than the tokenizer's 300"):
+        loop.train(cfg)
+    assert not (tmp_path / "run").exists() and tok.is_dir()
+
+
+# --- fuzz: >= 200 generated malformed configs and overrides --------------------------------------
+
+def _bad_values(key: str, interval: str, is_int: bool) -> list[str]:
+    lo_text, hi_text = (t.strip() for t in interval[1:-1].split(","))
+    out = []
+    lo, hi = float(lo_text), float(hi_text)
+    if np.isfinite(lo):
+        out.append(str(int(lo) - 1) if is_int else repr(lo if interval[0] == "(" else lo - 0.5))
+    if np.isfinite(hi):
+        out.append(str(int(hi) + (0 if interval[-1] == ")" else 1)) if is_int
+                   else repr(hi if interval[-1] == ")" else hi + 0.5))
+    out += ["nan", "inf", "-inf"] if not is_int else ["1.5", "true"]
+    out += ["abc", "[1, 2]", "{a: 1}"]
+    return out
+
+
+def field_type(key: str):
+    cls = C.Config
+    for part in key.split("."):
+        tp, _ = C._strip_optional(typing.get_type_hints(cls)[part])
+        cls = tp
+    return tp
+
+
+def malformed_cases(seed: int = 0) -> list[tuple[str, list[str], str | bytes | None]]:
+    """(name, overrides, YAML text or None) cases, each of which must be refused."""
+    rng = random.Random(seed)
+    hints = {f"{sec}.{f.name}" for sec in ("model", "optim", "data", "train", "checkpoint", "distributed")
+             for f in dataclasses.fields(getattr(C.Config(), sec))}
+    cases = []
+    for key, interval in sorted(C._RANGES.items()):
+        is_int = field_type(key) is int
+        if key.startswith("model.rope_scaling."):
+            sub = key.split(".")[-1]
+            for v in _bad_values(key, interval, is_int)[:2]:
+                cases.append((key, [f"model.rope_scaling={{{sub}: {v}}}"], None))
+            continue
+        for v in _bad_values(key, interval, is_int):
+            cases.append((key, [f"{key}={v}"], None))
+    for key in sorted(C._CHOICES):
+        if not key.startswith("model.rope_scaling"):
+            cases.append((key, [f"{key}=bogus_{rng.randrange(1000)}"], None))
+    valid = sorted(hints)
+    for key in rng.sample(valid, 25):  # typos: a dropped, doubled or swapped character
+        i = rng.randrange(1, len(key) - 1)
+        typo = rng.choice([key[:i] + key[i + 1:], key[:i] + key[i] + key[i:],
+                           key[:i - 1] + key[i] + key[i - 1] + key[i + 1:]])
+        if typo not in hints and typo.split(".")[0] in ("model", "optim", "data", "train", "checkpoint",
+                                                        "distributed") or typo.split(".")[0] not in hints:
+            if typo not in hints:
+                cases.append(("typo", [f"{typo}=1"], None))
+    cases += [
+        ("no equals", ["optim.learning_rate"], None),
+        ("section as scalar", ["model=3"], None),
+        ("field as section", ["model.hidden_size.x=3"], None),
+        ("empty key", ["=3"], None),
+        ("bad yaml value", ["optim.b1=[0.9"], None),
+        ("list for scalar", ["train.steps=[1, 2]"], None),
+        ("empty cache_dir", ["data.cache_dir="], None),
+        ("empty source", ["data.train=['']"], None),
+        ("seed too big", ["data.seed=99999999999"], None),
+        ("combination", ["optim.b1=0.5", "optim.b2=1.5"], None),
+        ("combination2", ["train.eval_every=0", "train.eval_batches=0"], None),
+        ("dup key", [], "optim:\n  b1: 0.9\n  b1: 0.8\n"),
+        ("dup section", [], "train: {steps: 3}\ntrain: {steps: 4}\n"),
+        ("dup nested", [], "model:\n  rope_scaling:\n    factor: 2\n    factor: 3\n"),
+        ("top list", [], "- a\n- b\n"),
+        ("top scalar", [], "hello\n"),
+        ("tab indent", [], "optim:\n\tb1: 0.9\n"),
+        ("unclosed", [], "optim: {b1: 0.9\n"),
+        ("complex key", [], "? [a, b]\n: 1\n"),
+        ("unknown section", [], "optimizer:\n  b1: 0.9\n"),
+        ("section list", [], "optim:\n  - b1\n"),
+        ("bad alias", [], "optim: *nothere\n"),
+        ("nan in yaml", [], "optim:\n  learning_rate: .nan\n"),
+        ("bool as int", [], "train:\n  steps: yes\n"),
+        ("negative warmup", [], "optim:\n  warmup_steps: -5\n"),
+        ("binary", [], b"\xff\xfe\x00o\x00p\x00t"),
+        ("latin-1", [], "optim:\n  schedule: caf\xe9\n".encode("latin-1")),
+    ]
+    return cases
+
+
+def run_case(tmp_path, i, overrides, text):
+    path = None
+    if text is not None:
+        path = tmp_path / f"case{i}.yaml"
+        (path.write_bytes if isinstance(text, bytes) else path.write_text)(text)
+    return path, [*overrides, f"train.run_dir={tmp_path}/run{i}"]
+
+
+def test_fuzz_malformed_configs_fail_in_one_line(tmp_path):
+    cases = malformed_cases()
+    assert len(cases) >= 200, len(cases)
+    for i, (name, overrides, text) in enumerate(cases):
+        path, sets = run_case(tmp_path, i, overrides, text)
+        try:
+            C.load(path, sets)
+        except C.ConfigError as e:
+            msg = str(e)
+        else:
+            pytest.fail(f"accepted: {name} {overrides} {text!r}")
+        assert msg.startswith("config: ") and "\n" not in msg, (name, overrides, msg)
+        if name in C._RANGES or name in C._CHOICES:
+            assert name.split(".")[-1] in msg, (name, overrides, msg)
+        if text is not None and name not in ("unknown section", "section list", "nan in yaml",
+                                              "bool as int", "negative warmup"):
+            assert str(path) in msg, (name, msg)  # YAML-level faults name the file
+
+
+def test_fuzz_sample_through_the_cli(tmp_path):
+    # the real command for a sample: exit 2, exactly one stderr line, no run directory
+    cases = malformed_cases()
+    sample = random.Random(1).sample(range(len(cases)), 9) + [len(cases) - 2]  # + a binary file
+    for i in sample:
+        name, overrides, text = cases[i]
+        path, sets = run_case(tmp_path, i, overrides, text)
+        args = [sys.executable, "-m", "dsjax.train"] + (["--config", str(path)] if path else [])
+        for s in sets:
+            args += ["--set", s]
+        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+        lines = [l for l in r.stderr.splitlines() if l.strip()]
+        assert r.returncode == 2 and len(lines) == 1, (name, r.returncode, r.stderr[-2000:])
+        assert lines[0].startswith("dsjax.train: error: config: "), lines
+        assert not (tmp_path / f"run{i}").exists()
