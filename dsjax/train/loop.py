@@ -33,7 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer, abstract_like
-from dsjax.data import Documents, PackedLoader, expand_sources, load_or_train, split_files, stdlib_files
+from dsjax.data import Documents, PackedLoader, chat, expand_sources, load_or_train, split_files, stdlib_files
 from dsjax.errors import RunStopped
 from dsjax.hf import load_hf_params
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
@@ -177,6 +177,16 @@ def build_data(cfg: C.Config, run_tokenizer: Path | None = None):
     Raises FileNotFoundError (a missing source) or ConfigError before any tokenizer training.
     """
     d = cfg.data
+    if d.format == "chat":  # conversations rendered with the checkpoint's tokenizer and template
+        if run_tokenizer is not None and Path(d.tokenizer).read_bytes() != run_tokenizer.read_bytes():
+            raise C.ConfigError(f"config: data.tokenizer={d.tokenizer} differs from the tokenizer of the "
+                                f"run being resumed ({run_tokenizer})")
+        tok, train, val = chat.loaders_from_config(d, d.batch_size * cfg.train.grad_accum,
+                                                   jax.process_index(), jax.process_count())
+        if tok.vocab_size > cfg.model.vocab_size:
+            raise C.ConfigError(f"config: model.vocab_size={cfg.model.vocab_size} is smaller than the "
+                                f"tokenizer's {tok.vocab_size} tokens ({tok.path})")
+        return tok, train, val
     if d.train == ["stdlib"]:
         files = stdlib_files()
         train_files, val_files = split_files(files, d.val_fraction, d.seed)
@@ -298,6 +308,10 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
     if Path(tok.path).resolve() != run_tok.resolve():
         shutil.copyfile(tok.path, run_tok)
+    tok_config = Path(tok.path).parent / "tokenizer_config.json"  # chat template, special tokens
+    if cfg.data.format == "chat" and tok_config.is_file() and \
+            tok_config.resolve() != (run_dir / tok_config.name).resolve():
+        shutil.copyfile(tok_config, run_dir / tok_config.name)
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
 
     train_step = jit_train_step(cfg, fns, tx, schedule, par, shardings)

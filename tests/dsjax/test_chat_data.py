@@ -407,3 +407,26 @@ def test_special_token_text_in_content_is_counted(v3, tmp_path, caplog):
     assert "1 with special-token text inside a message" in caplog.text
     hf = _hf(v3)
     assert ds.ids[0].tolist() == _ids(hf.apply_chat_template(conv, tokenize=True))
+
+
+def test_chat_training_run(v3, tmp_path):
+    """`python -m dsjax.train` on chat JSONL: the loop takes the chat loaders, trains on the
+    assistant tokens only and keeps the template beside the run's tokenizer."""
+    from dsjax import config as C
+    from dsjax.train.loop import train
+    _jsonl(tmp_path / "train.jsonl", _many(24))
+    _jsonl(tmp_path / "val.jsonl", _many(4))
+    run = tmp_path / "run"
+    cfg = C.load("configs/tiny.yaml", [
+        "data.format=chat", f"data.train={tmp_path}/train.jsonl", f"data.validation={tmp_path}/val.jsonl",
+        f"data.tokenizer={v3.path}", "data.seq_len=48", "data.batch_size=4", "train.steps=3",
+        "train.eval_every=3", "train.eval_batches=1", "train.log_every=1", "checkpoint.every=3",
+        "model.vocab_size=512", f"train.run_dir={run}", "train.tensorboard=false"])
+    summary = train(cfg)
+    val = {int(k): v for k, v in summary["val_loss"].items()}
+    assert summary["steps"] == 3 and sorted(val) == [0, 3] and np.isfinite(val[3])
+    assert (run / "tokenizer.json").read_bytes() == v3.path.read_bytes()
+    assert (run / "tokenizer_config.json").is_file()
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in recs if "loss" in r and "step" in r]
+    assert steps and all(np.isfinite(r["loss"]) for r in steps)
