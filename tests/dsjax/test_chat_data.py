@@ -5,6 +5,7 @@ import logging
 
 import numpy as np
 import pytest
+import transformers
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsjax.data import chat
@@ -100,13 +101,21 @@ def fixture(request, tmp_path_factory):
     return request.param, chat.ChatTokenizer.load(path)
 
 
+@pytest.fixture(scope="module", params=["v3", "v3_generation"])
+def v3_templates(request, tmp_path_factory):
+    """The V3 templates without and with {% generation %} blocks (the V2 template has no
+    generation-block version to compare with)."""
+    template = {"v3": V3_TEMPLATE, "v3_generation": V3_GENERATION}[request.param]
+    path = _write_tokenizer(tmp_path_factory.mktemp("gen_" + request.param), template)
+    return request.param, chat.ChatTokenizer.load(path)
+
+
 @pytest.fixture(scope="module")
 def v3(tmp_path_factory):
     return chat.ChatTokenizer.load(_write_tokenizer(tmp_path_factory.mktemp("v3only"), V3_TEMPLATE))
 
 
 def _hf(tok):
-    transformers = pytest.importorskip("transformers")
     return transformers.PreTrainedTokenizerFast.from_pretrained(str(tok.path.parent))
 
 
@@ -127,12 +136,10 @@ def test_render_and_tokens_match_transformers(fixture):
         assert ids.tolist() == _ids(hf.apply_chat_template(msgs, tokenize=True))
 
 
-def test_mask_matches_transformers_generation_blocks(fixture):
+def test_mask_matches_transformers_generation_blocks(v3_templates):
     """transformers' return_assistant_tokens_mask needs {% generation %} blocks: compare on the
     V3 template that has them, and the prefix rule on the plain V3 template with that mask."""
-    name, tok = fixture
-    if name == "v2":
-        pytest.skip("the V2 template has no generation-block version")
+    name, tok = v3_templates
     hf = _hf(tok)
     hf.chat_template = V3_GENERATION
     for msgs in CONVERSATIONS:
