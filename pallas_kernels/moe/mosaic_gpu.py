@@ -404,7 +404,8 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
 
     Args:
       x: [M, Kx]; dy: [M, N], bf16/f16, rows sorted by group; group_sizes: [E] int,
-        sum <= M (rows past the sum are ignored).
+        sum <= M (rows past the sum are ignored). M need not be a multiple of 8: the rows
+        are then zero-padded to one (a copy of x and dy).
       out_dtype: output dtype (default x.dtype); accumulation is fp32.
     Returns:
       [E, Kx, N]; groups with no rows give zeros.
@@ -417,6 +418,10 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
     n = dy.shape[1]
     if dy.shape[0] != m:
         raise ValueError(f"row mismatch: x {x.shape}, dy {dy.shape}")
+    m_pad = -m % 8
+    if m_pad:  # TMA reads 8-row tiles; the zero rows lie past sum(group_sizes) and are ignored
+        x = jnp.pad(x, ((0, m_pad), (0, 0)))
+        dy = jnp.pad(dy, ((0, m_pad), (0, 0)))
     e = group_sizes.shape[0]
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     tk = config.tile_k
