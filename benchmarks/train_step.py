@@ -101,6 +101,8 @@ def run_dsjax(args, row: str) -> dict:
            "tokens_per_s": B * T / dt / n_dev, "flops_per_token": flops_per_token(cfg.model, T),
            "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None, "compile_s": compile_s,
            "first_loss": first_loss, "loss": float(m["loss"])}
+    if "expert_load_max_over_mean" in m:  # per MoE layer: the busiest expert's rows / the mean
+        out["expert_load_max_over_mean"] = [round(float(x), 2) for x in m["expert_load_max_over_mean"]]
     if args.profile:
         trace = os.path.join(args.profile, row)
         jax.profiler.start_trace(trace)

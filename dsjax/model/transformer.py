@@ -98,9 +98,14 @@ class DeepSeekModel(nnx.Module):
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
         if self.cfg.scan_layers:
             return jax.lax.scan(body, h, state)
+        # unrolled: `lax.unstack` splits each stacked leaf once, so the gradient of a leaf is one
+        # concatenate of the layers' gradients; indexing `x[i]` per layer would make it a chain
+        # of L zero-pads and adds, which every consumer of the gradient (the clip norm, the
+        # optimizer) re-evaluates per element, costing O(L^2) memory traffic
+        leaves, treedef = jax.tree.flatten(state)
         stats = []
-        for i in range(jax.tree.leaves(state)[0].shape[0]):
-            h, st = body(h, jax.tree.map(lambda x: x[i], state))
+        for layer_leaves in zip(*(jax.lax.unstack(x) for x in leaves)):
+            h, st = body(h, jax.tree.unflatten(treedef, layer_leaves))
             stats.append(st)
         return h, jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
 
