@@ -1,6 +1,6 @@
 """Per-device memory plan of a training config on N devices, from the compiled train step.
 
-    python -m dsjax.plan --config configs/deepseek_v3.yaml --devices 256 --hbm-gb 141
+    python -m dsjax.plan --config configs/deepseek_v3.yaml --devices 256 --hbm-gb 141 --explain
 
 The train step is lowered with `jax.ShapeDtypeStruct`s (nothing is allocated) on a mesh of N
 fake CPU devices (the plan re-runs itself in a subprocess with
@@ -10,12 +10,30 @@ output, aliased (donated) and temporary bytes. Parameters and optimizer moments 
 also computed exactly from their shardings; the compiled argument size must agree with them
 (the check is printed).
 
+Kernels (`--kernels`). A GPU run's `attention_impl` / `moe_impl` "auto" picks the Mosaic GPU
+kernels; on CPU "auto" would pick the jnp references, whose intermediates (padded row copies,
+fp32 GEMM outputs and accumulators, chunked attention scores) a GPU never allocates. By default
+(`hopper`) the plan compiles under `pallas_kernels._compile_only.hopper_kernels_compile_only`:
+the kernel choices of a Hopper GPU, each Mosaic kernel an opaque stand-in that allocates exactly
+the kernel's outputs. What still differs from the GPU program: XLA's CPU scheduling and fusion
+(the GPU compiler orders and fuses differently), and the CPU's bf16 dots, which it computes in
+fp32 and may feed with fp32 copies (e.g. an all-gather moved before the bf16 convert).
+`benchmarks/v3_slice_memory.py` compiles a V3 slice for the GPU to measure the difference.
+`--kernels backend` plans what this CPU would run.
+
+`--explain N` dumps XLA's buffer assignment and lists the N largest temporaries live at the
+peak with their shape, HLO op and the source lines that made them (`dsjax.plan_explain`).
+
 With `model.scan_layers` (the V2 and V3 configs set it) the layer stacks are scanned, so
-compiling the full depth costs about as much as a shallow one; unrolled layers compile each. The check: a smaller config (the dense layers plus 1 MoE layer, same widths and layout) is
+compiling the full depth costs about as much as a shallow one; unrolled layers compile each.
+The check: a smaller config (the dense layers plus 1 MoE layer, same widths and layout) is
 compiled the same way; both report compiled argument bytes next to the sharding-derived ones,
 and the difference gives the per-layer cost.
-Temporary bytes come from XLA's CPU buffer assignment of the same partitioned program; the GPU
-compiler's scheduling differs, so treat them as an estimate (+/- tens of percent).
+
+Fewest devices: for the config's Adam moments and for bf16 ones, the smallest device count
+(a multiple of the mesh's fixed axes, the per-device batch kept) whose estimated peak fits
+`--hbm-gb`: the state there exactly from the shardings, the temporaries of this compile with
+the gradient buffers rescaled (`predicted_peak`); `--verify-min` compiles there too.
 """
 from __future__ import annotations
 
@@ -153,8 +171,9 @@ def _on_devices(cfg, n_from: int, n_to: int):
 def predicted_peak(cfg, n_from: int, full: dict, n_to: int) -> float | None:
     """Peak bytes per device of cfg on n_to <= n_from devices, the per-device batch kept, from
     the compile on n_from devices: the state on n_to devices exactly (shardings), the
-    temporaries of n_from with the gradient buffers (parameters in the compute dtype, sharded
-    like them) rescaled by n_from / n_to. None if cfg does not shard over n_to devices."""
+    temporaries of n_from with the parameter-sized ones (the gradients and the compute-dtype
+    copy of the weights, both sharded like the parameters) rescaled by n_from / n_to. None if
+    cfg does not shard over n_to devices."""
     c = _on_devices(cfg, n_from, n_to)
     if c is None:
         return None
@@ -163,28 +182,33 @@ def predicted_peak(cfg, n_from: int, full: dict, n_to: int) -> float | None:
     except (ValueError, C.ConfigError):  # mesh / rules errors of this device count
         return None
     ratio = jnp.dtype(cfg.model.dtype).itemsize / jnp.dtype(cfg.model.weight_dtype).itemsize
-    grads = full["params"] * ratio
-    temp = full["temp"] + grads * (n_from / n_to - 1)
+    scaled = 2 * full["params"] * ratio
+    temp = full["temp"] + scaled * (n_from / n_to - 1)
     args = st["params"] + st["optimizer"] + full["rest"] + full["batch"]
     return args + full["output"] - full["alias"] + temp  # outputs other than the donated state
 
 
-def min_devices(cfg, n: int, full: dict, hbm_bytes: float) -> tuple[int, float] | None:
-    """Smallest device count m <= n (a multiple of the mesh's fixed axes) whose
-    `predicted_peak` fits hbm_bytes, and that peak; None if none fits."""
-    fixed = math.prod(v for k, v in dataclasses.asdict(cfg.mesh).items()
-                      if k in ("data", "fsdp", "expert", "tensor", "context") and v > 0)
-    cands = [m for m in range(fixed, n + 1, fixed)]
-    best = None
-    lo, hi = 0, len(cands) - 1
-    while lo <= hi:  # the peak falls as devices grow: bisect on the candidates
-        mid = (lo + hi) // 2
-        p = predicted_peak(cfg, n, full, cands[mid])
+def _candidates(cfg, n: int) -> list[int]:
+    """Device counts m <= n whose free mesh axis (the -1 one) divides its size on n devices, so
+    that every dimension sharded on n devices shards the same way on m (counts where ZeRO-3
+    falls back to fewer axes or replication shard differently and are not estimated)."""
+    sizes = {k: v for k, v in dataclasses.asdict(cfg.mesh).items()
+             if k in ("data", "fsdp", "expert", "tensor", "context")}
+    fixed = math.prod(v for v in sizes.values() if v > 0)
+    if n % fixed:
+        return []
+    free_n = n // fixed
+    return [fixed * f for f in range(1, free_n + 1) if free_n % f == 0]
+
+
+def min_devices(cfg, n: int, full: dict, hbm_bytes: float, start: int = 0) -> tuple[int, float] | None:
+    """Smallest device count m in `_candidates(cfg, n)[start:]` whose `predicted_peak` fits
+    hbm_bytes, and that peak; None if none fits."""
+    for m in _candidates(cfg, n)[start:]:
+        p = predicted_peak(cfg, n, full, m)
         if p is not None and p <= hbm_bytes:
-            best, hi = (cands[mid], p), mid - 1
-        else:
-            lo = mid + 1
-    return best
+            return m, p
+    return None
 
 
 def plan(cfg, n_devices: int, hbm_gb: float, explain_top: int = 0, check: bool = True,
@@ -204,11 +228,18 @@ def plan(cfg, n_devices: int, hbm_gb: float, explain_top: int = 0, check: bool =
         full = res["full"]
         if c is not cfg:
             full = dict(full, **{k: v for k, v in state_bytes(c, n_devices).items()})
+        cands = _candidates(c, n_devices)
         m = min_devices(c, n_devices, full, hbm_gb * GB)
         entry = {"devices": m[0] if m else None, "predicted_peak": m[1] if m else None}
-        if m and verify_min:
-            entry["compiled_peak"] = compile_memory(_on_devices(c, n_devices, m[0]), m[0],
-                                                    hopper_kernels=hopper_kernels)["peak"]
+        while m and verify_min:  # compile there; if it does not fit, the next count up
+            peak = (res["full"]["peak"] if m[0] == n_devices and c is cfg else
+                    compile_memory(_on_devices(c, n_devices, m[0]), m[0],
+                                   hopper_kernels=hopper_kernels)["peak"])
+            entry = {"devices": m[0], "predicted_peak": m[1], "compiled_peak": peak}
+            if peak <= hbm_gb * GB:
+                break
+            entry["devices"] = None
+            m = min_devices(c, n_devices, full, hbm_gb * GB, cands.index(m[0]) + 1)
         res["min_devices"][name] = entry
     return res
 
@@ -243,10 +274,13 @@ def _report(cfg, n, hbm_gb, res) -> str:
     for name, e in res.get("min_devices", {}).items():
         head = f"fewest devices that fit {hbm_gb:.0f} GB ({name}, {per_dev} tokens per device): "
         if e["devices"] is None:
-            lines.append(head + f"none up to {n} (plan more devices)")
+            seen = (f" (the last compiled: peak {e['compiled_peak'] / GB:.2f} GB)"
+                    if "compiled_peak" in e else "")
+            lines.append(head + f"none up to {n}{seen}; plan more devices")
             continue
         tail = (f"; compiled there: peak {e['compiled_peak'] / GB:.2f} GB" if "compiled_peak" in e
-                else " (estimate: exact state, temporaries of this compile with gradients rescaled)")
+                else " (estimate: exact state, temporaries of this compile with the "
+                "parameter-sized ones rescaled)")
         lines.append(head + f"{e['devices']}, predicted peak {e['predicted_peak'] / GB:.2f} GB" + tail)
     if "explain" in f:
         lines.append(plan_explain.format_explain(f["explain"], f"the {n}-device step"))
