@@ -16,8 +16,9 @@ fp32 GEMM outputs and accumulators, chunked attention scores) a GPU never alloca
 (`hopper`) the plan compiles under `pallas_kernels._compile_only.hopper_kernels_compile_only`:
 the kernel choices of a Hopper GPU, each Mosaic kernel an opaque stand-in that allocates exactly
 the kernel's outputs. What still differs from the GPU program: XLA's CPU scheduling and fusion
-(the GPU compiler orders and fuses differently), and the CPU's bf16 dots, which it computes in
-fp32 and may feed with fp32 copies (e.g. an all-gather moved before the bf16 convert).
+(the GPU compiler orders and fuses differently), and bf16 collectives: XLA:CPU runs every
+all-gather in fp32 (a convert before, one after), so each gathered bf16 buffer (a layer's
+weights, the gathered tokens) is planned at twice its size plus its bf16 copy.
 `benchmarks/v3_slice_memory.py` compiles a V3 slice for the GPU to measure the difference.
 `--kernels backend` plans what this CPU would run.
 
