@@ -54,8 +54,16 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     B, T, S, N, K, Dqk, Dv = check_shapes(q, k, v)
+    if impl == "auto" and _compile_only.active():
+        # memory planning: the kernel where it takes the inputs (a GPU run would raise for the
+        # others), else the reference
+        try:
+            check_supported(q, k, v, None)
+            impl = "pallas"
+        except ValueError:
+            impl = "reference"
     if impl == "auto":
-        impl = "pallas" if (_compile_only.active() or on_hopper()) else "reference"
+        impl = "pallas" if on_hopper() else "reference"
     if impl == "pallas" and _compile_only.active():  # memory planning: outputs of the kernels
         check_supported(q, k, v, None)
         o, lse = _attention_stand_in(q, k, v, segment_ids)

@@ -13,11 +13,11 @@ from dsjax import config as C  # noqa: E402
 from dsjax.plan import compile_memory  # noqa: E402
 
 GB = 1e9
-# Per device (2026-12-01, jax 0.11.2): temporaries 33.99 GB. The largest: the embedding table
-# and the lm_head gathered with fp32 copies (3.7 GB each), 32 local experts' gathered weights
-# in bf16 (0.94 GB a matrix), one dispatch chunk (4096 tokens x 8 copies x 7168, 0.47 GB).
-# Gathering a second MoE layer's experts at once adds 2.8 GB; dispatching all 8 x 4096
-# gathered tokens in one chunk adds over 10 GB (rows 8x larger).
+# Per device (2026-12-01, jax 0.11.2): temporaries 33.99 GB; the same with all 8 x 4096 gathered
+# tokens dispatched as one chunk: 49.02 GB. The largest buffers: the embedding table and the
+# lm_head gathered with fp32 copies (3.7 GB each; XLA:CPU all-gathers in fp32), one layer's 32
+# local experts gathered (0.94 GB a matrix in bf16), one dispatch chunk (4096 tokens x 8 copies
+# x 7168, 0.47 GB); gathering a second layer's experts at the same time would add 2.8 GB more.
 TEMP_BOUND_GB = 36.0
 
 
