@@ -15,6 +15,16 @@ DeepSeek's K = 6..8 (an all-to-all moves K copies of a token). When the MLP widt
 over `tensor`, each rank holds a slice of F and the down projection's partial sums are added
 by a `psum` over `tensor` (Megatron column/row parallel).
 The backward pass is JAX's transpose: all_gather <-> psum_scatter.
+
+Chunks. Static shapes and no dropping mean a rank's buffers are sized for the worst case, in
+which every routed row of the gathered tokens lands on its experts: ep x n x K rows. At
+DeepSeek-V3 sizes (n = 4096, K = 8, ep = 8, D = 7168) one such bf16 buffer is 3.8 GB and the
+reference kernels' fp32 copies double it. So the gathered tokens are processed in chunks of
+at most `chunk_tokens` tokens (`default_chunk_tokens`: permuted rows of at most
+DISPATCH_CHUNK_BYTES), one `lax.map` step each, the step under `jax.checkpoint`: forward and
+backward keep one chunk's permuted rows, GEMM outputs and combine at a time, and the backward
+recomputes a chunk's forward from its tokens instead of stashing every chunk's intermediates.
+The maths and the rows each rank computes are unchanged; only their grouping into steps is.
 """
 from __future__ import annotations
 
@@ -25,6 +35,18 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.moe import grouped_matmul, permute, unpermute
 
 EXPERT = "expert"
+DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
+
+
+def default_chunk_tokens(m: int, k: int, d: int, itemsize: int,
+                         chunk_bytes: int = DISPATCH_CHUNK_BYTES) -> int:
+    """Largest divisor c of m (gathered tokens) whose permuted rows c * k * d * itemsize fit in
+    chunk_bytes (at least 1)."""
+    best = 1
+    for c in range(1, m + 1):
+        if m % c == 0 and c * k * d * itemsize <= chunk_bytes:
+            best = c
+    return best
 
 
 def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, impl, dtype):
@@ -46,7 +68,7 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
 
 
 def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_axes=(), seq_axes=(),
-                        mlp_axes=(), impl="auto", dtype=jnp.float32, axis=EXPERT):
+                        mlp_axes=(), impl="auto", dtype=jnp.float32, axis=EXPERT, chunk_tokens=None):
     """Routed-expert output with experts sharded over mesh axis `axis`.
 
     Args:
@@ -57,10 +79,12 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
       mesh: the device mesh; ep = mesh.shape[axis] must divide E.
       mlp_axes: mesh axes over which F is split (tensor parallel), () for none.
       impl: MoE kernel backend; dtype: compute dtype of the GEMMs.
+      chunk_tokens: tokens per dispatch chunk on a rank (a divisor of the ep x local tokens it
+        processes); None: `default_chunk_tokens`.
     Returns:
       [B, T, D] fp32: sum_k weights[., k] * FFN_{ids[., k]}(x), laid out like x.
     Raises:
-      ValueError: ep does not divide E.
+      ValueError: ep does not divide E, or chunk_tokens does not divide a rank's tokens.
     """
     E = w_gate.shape[0]
     ep = int(dict(mesh.shape)[axis])
@@ -81,7 +105,19 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
             xf = jax.lax.all_gather(xf, axis, axis=0, tiled=True)
             idf = jax.lax.all_gather(idf, axis, axis=0, tiled=True)
             wf = jax.lax.all_gather(wf, axis, axis=0, tiled=True)
-        y = _local_experts(xf, idf, wf, wg, wu, wd, axis=axis, mlp_axes=ma, impl=impl, dtype=dtype)
+        m = xf.shape[0]
+        c = chunk_tokens or default_chunk_tokens(m, K, D, jnp.dtype(dtype).itemsize)
+        if m % c:
+            raise ValueError(f"expert parallel: chunk_tokens={c} does not divide the {m} tokens "
+                             f"a rank processes")
+        local = lambda xs: _local_experts(*xs, wg, wu, wd, axis=axis, mlp_axes=ma, impl=impl,  # noqa: E731
+                                          dtype=dtype)
+        if c == m:
+            y = local((xf, idf, wf))
+        else:  # one chunk per step; its intermediates are recomputed in the backward
+            split = lambda a: a.reshape(m // c, c, *a.shape[1:])  # noqa: E731
+            y = jax.lax.map(jax.checkpoint(local), (split(xf), split(idf), split(wf)))
+            y = y.reshape(m, D)
         if ma:
             y = jax.lax.psum(y, ma)
         if tok_over_ep:
@@ -98,7 +134,8 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
     return fn(x, ids, weights, w_gate, w_up, w_down)
 
 
-def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto", dtype=jnp.float32):
+def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto", dtype=jnp.float32,
+                     chunk_tokens=None):
     """`moe_expert_parallel` with axes from an active `sharding.rules.ShardingContext`; batch and
     sequence axes that do not divide x's sizes are dropped (e.g. decoding one sequence)."""
     spec = tuple(ctx.spec(("batch", "seq", None), x.shape, strict=False)) + (None, None)
@@ -106,4 +143,4 @@ def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto",
     return moe_expert_parallel(
         x, ids, weights, w_gate, w_up, w_down, mesh=ctx.mesh, batch_axes=axes(spec[0]),
         seq_axes=axes(spec[1]), mlp_axes=ctx.rules.mesh_axes("mlp", ctx.mesh), impl=impl,
-        dtype=dtype)
+        dtype=dtype, chunk_tokens=chunk_tokens)

@@ -206,12 +206,16 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
         # a non-finite gradient gives non-finite updates, which `keep` discards; the optimizer
         # sees the same gradients as grad_norm, so XLA computes the clip's norm only once
-        updates, new_opt = tx.update(grads, state["opt"], params)
+        updates, _ = tx.update(grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         new_state = dict(state)
-        new_state["params"] = keep(new_params, params)
-        new_state["opt"] = keep(new_opt, state["opt"])
+        # The parameter update reads the old Adam moments, the moment update overwrites them
+        # (both donated). The barrier orders the overwrite after the read, so XLA updates the
+        # moments in place instead of copying every moment first (2 x 10.7 GB per device for
+        # DeepSeek-V3 on 256 devices); the second `tx.update` only supplies the new moments.
+        new_state["params"], opt = jax.lax.optimization_barrier((keep(new_params, params), state["opt"]))
+        new_state["opt"] = keep(tx.update(grads, opt, new_state["params"])[1], opt)
         new_state["step"] = state["step"] + ok.astype(jnp.int32)
         if noaux:
             bias = rest["moe_layers"]["mlp"]["e_score_correction_bias"]

@@ -12,6 +12,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _compile_only
 from pallas_kernels._hopper import (INTERPRET_NAMED_BARRIERS, interpret_params, on_gpu,
                                     on_hopper)
 from pallas_kernels.flash_attention import mosaic_bwd, mosaic_fwd
@@ -53,8 +54,20 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     B, T, S, N, K, Dqk, Dv = check_shapes(q, k, v)
+    if impl == "auto" and _compile_only.active():
+        # memory planning: the kernel where it takes the inputs (a GPU run would raise for the
+        # others), else the reference
+        try:
+            check_supported(q, k, v, None)
+            impl = "pallas"
+        except ValueError:
+            impl = "reference"
     if impl == "auto":
         impl = "pallas" if on_hopper() else "reference"
+    if impl == "pallas" and _compile_only.active():  # memory planning: outputs of the kernels
+        check_supported(q, k, v, None)
+        o, lse = _attention_stand_in(q, k, v, segment_ids)
+        return (o, lse) if return_lse else o
     if impl == "reference":
         return attention_reference(q, k, v, causal=causal, scale=scale, segment_ids=segment_ids,
                                    q_offset=q_offset, kv_offset=kv_offset, return_lse=return_lse)
@@ -124,3 +137,30 @@ def _attention_bwd(scale, causal, cfg, interpret, static_delta, res, cts):
 
 
 _attention.defvjp(_attention_fwd, _attention_bwd)
+
+
+@jax.custom_vjp
+def _attention_stand_in(q, k, v, segment_ids):
+    """Compile-only stand-in of `_attention` (`pallas_kernels._compile_only`): the kernels'
+    outputs o [B, T, N, Dv] and lse [B, N, T] fp32, residuals (q, k, v, o, lse) and gradients
+    dq, dk, dv, and no other buffer."""
+    B, T, N, _ = q.shape
+    out = (jax.ShapeDtypeStruct(q.shape[:3] + v.shape[3:], q.dtype),
+           jax.ShapeDtypeStruct((B, N, T), jnp.float32))
+    return _compile_only.stand_in(out, q, k, v, *([] if segment_ids is None else [segment_ids]))
+
+
+def _stand_in_fwd(q, k, v, segment_ids):
+    o, lse = _attention_stand_in(q, k, v, segment_ids)
+    return (o, lse), (q, k, v, segment_ids, o, lse)
+
+
+def _stand_in_bwd(res, cts):
+    q, k, v, segment_ids, o, lse = res
+    out = tuple(jax.ShapeDtypeStruct(x.shape, x.dtype) for x in (q, k, v))
+    dq, dk, dv = _compile_only.stand_in(out, q, k, v, o, lse, cts[0], cts[1])
+    seg_ct = None if segment_ids is None else jax.tree.map(lambda _: None, segment_ids)
+    return dq, dk, dv, seg_ct
+
+
+_attention_stand_in.defvjp(_stand_in_fwd, _stand_in_bwd)

@@ -8,6 +8,9 @@ Backends (`impl`):
                without a Hopper GPU they run in GPU interpret mode (slow; for tests). Raises
                ValueError for shapes/dtypes the kernels cannot take.
   "auto":      "pallas" on a Hopper GPU when the shapes fit the kernels, else "reference".
+Inside `pallas_kernels._compile_only.hopper_kernels_compile_only()` (memory planning on CPU)
+"auto" resolves as on Hopper and the Mosaic kernels compile to shape-only stand-ins
+(backend "stand_in"): same outputs, no other buffers, not runnable.
 permute: "reference" is a stable argsort + XLA row gather; "pallas" (and "auto" on Hopper) is
 a stable counting sort (dispatch.py, same perm) + a Mosaic GPU row-scatter kernel that reads
 each token row once and writes its K copies. Its gradient is a K-row gather + fp32 sum per
@@ -30,6 +33,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels import _compile_only
 from pallas_kernels._hopper import on_hopper
 from pallas_kernels.moe import dispatch, mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
@@ -61,6 +65,15 @@ def _pallas_fits(x, w, transpose_rhs=False):
     return None
 
 
+def _kernel_backend():
+    """"stand_in" while planning with compile-only kernels, else "pallas"."""
+    return "stand_in" if _compile_only.active() else "pallas"
+
+
+def _hopper():
+    return _compile_only.active() or on_hopper()
+
+
 def _resolve(impl, x, w):
     _check(impl)
     if impl == "reference":
@@ -69,8 +82,8 @@ def _resolve(impl, x, w):
     if impl == "pallas":
         if reason:
             raise ValueError(f"impl='pallas': {reason}")
-        return "pallas"
-    return "pallas" if (reason is None and on_hopper()) else "reference"
+        return _kernel_backend()
+    return _kernel_backend() if (reason is None and _hopper()) else "reference"
 
 
 # ----------------------------------------------------------------------------- permute
@@ -94,16 +107,19 @@ def _gather_rows_bwd(k, perm, g):
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-@jax.custom_vjp
-def _scatter_rows(x, dest):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _scatter_rows(x, dest, stand_in=False):
+    if stand_in:
+        t, k = dest.shape
+        return _compile_only.stand_in(jax.ShapeDtypeStruct((t * k, x.shape[1]), x.dtype), x, dest)
     return dispatch.scatter_rows(x, dest)
 
 
-def _scatter_rows_fwd(x, dest):
-    return _scatter_rows(x, dest), dest
+def _scatter_rows_fwd(x, dest, stand_in=False):
+    return _scatter_rows(x, dest, stand_in), dest
 
 
-def _scatter_rows_bwd(dest, g):
+def _scatter_rows_bwd(stand_in, dest, g):
     return dispatch.gather_back(g, dest), None
 
 
@@ -117,8 +133,8 @@ def _permute_backend(impl, x, k):
     if impl == "pallas":
         if reason:
             raise ValueError(f"impl='pallas': {reason}")
-        return "pallas"
-    return "pallas" if (reason is None and on_hopper()) else "reference"
+        return _kernel_backend()
+    return _kernel_backend() if (reason is None and _hopper()) else "reference"
 
 
 def permute(x, topk_ids, *, num_experts, impl="auto"):
@@ -137,9 +153,10 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
     """
     _check(impl)
     t, k = topk_ids.shape
-    if _permute_backend(impl, x, k) == "pallas":
+    backend = _permute_backend(impl, x, k)
+    if backend != "reference":
         group_sizes, perm, dest = dispatch.counting_sort_by_expert(topk_ids, num_experts)
-        return _scatter_rows(x, dest), group_sizes, perm
+        return _scatter_rows(x, dest, backend == "stand_in"), group_sizes, perm
     group_sizes, perm = sort_by_expert(topk_ids, num_experts)
     return _gather_rows(x, perm, k), group_sizes, perm
 
@@ -147,6 +164,9 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
 # ----------------------------------------------------------------------------- grouped GEMM
 
 def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False):
+    if backend == "stand_in":
+        n = w.shape[1] if transpose_rhs else w.shape[2]
+        return _compile_only.stand_in(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype), x, w, gs)
     if backend == "pallas":
         return mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
     wr = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
@@ -154,6 +174,9 @@ def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False):
 
 
 def _tgmm_backend(backend, x, dy, gs, out_dtype):
+    if backend == "stand_in":
+        shape = (gs.shape[0], x.shape[1], dy.shape[1])
+        return _compile_only.stand_in(jax.ShapeDtypeStruct(shape, out_dtype), x, dy, gs)
     if backend == "pallas":
         return mosaic_gpu.tgmm(x, dy, gs, out_dtype=out_dtype)
     return grouped_matmul_transposed_reference(x, dy, gs, preferred_element_type=out_dtype)
@@ -170,7 +193,7 @@ def _gmm_fwd(x, w, gs, out_dtype, backend):
 
 def _gmm_bwd(out_dtype, backend, res, g):
     x, w, gs = res
-    if backend == "pallas":
+    if backend != "reference":
         g = g.astype(x.dtype)
     dx = _gmm_backend(backend, g, w, gs, x.dtype, transpose_rhs=True)
     dw = _tgmm_backend(backend, x, g, gs, w.dtype)
@@ -208,6 +231,11 @@ def _swiglu_from_h(h, out_dtype):
 
 
 def _swiglu_forward(x, w, gs, backend, return_h):
+    if backend == "stand_in":
+        m, n = x.shape[0], w.shape[2]
+        act = jax.ShapeDtypeStruct((m, n // 2), x.dtype)
+        out = (act, jax.ShapeDtypeStruct((m, n), x.dtype)) if return_h else act
+        return _compile_only.stand_in(out, x, w, gs)
     if backend == "pallas":
         return mosaic_gpu.gmm(x, w, gs, epilogue="swiglu", return_h=return_h)
     h = grouped_matmul_reference(x, w, gs, preferred_element_type=jnp.float32)
