@@ -117,6 +117,12 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     noaux = has_moe and mcfg.topk_method == "noaux_tc"
     n_mtp = mcfg.num_nextn_predict_layers
     mtp_noaux = n_mtp > 0 and mcfg.topk_method == "noaux_tc"
+    # XLA:GPU updates weights and moments in one fused pass that reads each moment before it
+    # overwrites it in place (no copies in the H200 profiles); a barrier there would split it
+    # into two passes over gradients and moments (+10 bytes per parameter with fp32 moments).
+    # Elsewhere (XLA:CPU, which also compiles `dsjax.plan`) the split avoids a copy of every
+    # moment.
+    split_moment_update = jax.default_backend() != "gpu"
 
     def micro_loss(params, rest, mb, n_total, scale, n_mtp_total, n_real):
         """The micro-batch's share of the loss objective times `scale`: the lm_head + cross-
@@ -206,16 +212,21 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
         # a non-finite gradient gives non-finite updates, which `keep` discards; the optimizer
         # sees the same gradients as grad_norm, so XLA computes the clip's norm only once
-        updates, _ = tx.update(grads, state["opt"], params)
+        updates, new_opt = tx.update(grads, state["opt"], params)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         new_state = dict(state)
-        # The parameter update reads the old Adam moments, the moment update overwrites them
-        # (both donated). The barrier orders the overwrite after the read, so XLA updates the
-        # moments in place instead of copying every moment first (2 x 10.7 GB per device for
-        # DeepSeek-V3 on 256 devices); the second `tx.update` only supplies the new moments.
-        new_state["params"], opt = jax.lax.optimization_barrier((keep(new_params, params), state["opt"]))
-        new_state["opt"] = keep(tx.update(grads, opt, new_state["params"])[1], opt)
+        if split_moment_update:
+            # The parameter update reads the old Adam moments, the moment update overwrites
+            # them (both donated). XLA:CPU copies every moment first (2 x 10.7 GB per device for
+            # DeepSeek-V3 on 256 devices); the barrier orders the overwrite after the read so the
+            # moments are updated in place, and the second `tx.update` only supplies them.
+            new_state["params"], opt = jax.lax.optimization_barrier(
+                (keep(new_params, params), state["opt"]))
+            new_state["opt"] = keep(tx.update(grads, opt, new_state["params"])[1], opt)
+        else:
+            new_state["params"] = keep(new_params, params)
+            new_state["opt"] = keep(new_opt, state["opt"])
         new_state["step"] = state["step"] + ok.astype(jnp.int32)
         if noaux:
             bias = rest["moe_layers"]["mlp"]["e_score_correction_bias"]
