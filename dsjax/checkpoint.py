@@ -4,7 +4,8 @@ Layout: RUN_DIR/checkpoints/<step>/{state,data,config,checksums.json}. Orbax wri
 a temporary directory and renames it on commit, so `latest_step()` only ever sees complete
 checkpoints. Once a step is committed, `checksums.json` records the size and SHA-256 of every
 file in it; `restore` verifies them and refuses a damaged step (naming the step and the file)
-unless asked to fall back to the newest intact one.
+unless asked to fall back to the newest intact one. In a multi-process run orbax writes each step
+collectively and process 0 alone writes `checksums.json`.
 
 A failed save, synchronous or in the background, raises `CheckpointError` with one line naming
 the path and the OS error: from `save` itself, from `poll()` (which the training loop calls
@@ -129,7 +130,7 @@ class Checkpointer:
             check = getattr(self.manager, "check_for_errors", None)
             if check is not None:
                 check()
-            if step is not None:
+            if step is not None and jax.process_index() == 0:  # once, after orbax's commit
                 write_checksums(self.step_dir(step))
         except Exception as e:  # orbax re-raises the background thread's error here
             raise self._fail(step, e) from e

@@ -1,10 +1,28 @@
-"""Test-wide setup: 8 fake CPU devices (sharding tests) and float32 matmuls at full precision."""
+"""Test-wide setup: 8 fake CPU devices (sharding tests), float32 matmuls at full precision, and
+one XLA compilation cache for the session; subprocesses (CLI tests) inherit all three through
+the environment.
+
+The cache: many tests train the same small model (one `loop.train` per case, CLI subprocesses),
+and each run traces and lowers its programs again; where the lowered program is identical to one
+compiled earlier in the session, XLA's executable comes from JAX's persistent compilation cache
+instead of being compiled again (the key covers the program, the devices and the compile
+options). The directory is new for every session and removed at exit."""
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache = tempfile.mkdtemp(prefix="dsjax-tests-xla-cache-")
+    atexit.register(shutil.rmtree, _cache, ignore_errors=True)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+
+os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import jax  # noqa: E402
 

@@ -6,6 +6,10 @@
   RUN_DIR/metrics.jsonl      one JSON object per logged step / evaluation
   RUN_DIR/tb/                TensorBoard event files
   RUN_DIR/checkpoints/<step> orbax checkpoints (state, data-loader position, config)
+In a multi-process run orbax writes the checkpoints collectively; every other file of RUN_DIR
+(config.yaml, the tokenizer files, metrics.jsonl, tb/, checksums, moving damaged steps aside) is
+written by process 0 only, and only process 0 prints progress (the others' log records carry a
+"[process N]" prefix).
 
 Parallelism (`setup_parallel`): `sharding.distributed.initialize` first (multi-host), then the
 mesh of `cfg.mesh` and its rules preset. The state is created directly in its sharded layout
@@ -74,6 +78,24 @@ class Parallel:
         return NamedSharding(self.mesh, self.rules.spec(logical, shape, self.mesh, strict=shape is None))
 
 
+def _prefix_secondary_logs() -> None:
+    """On processes other than 0 of a multi-process run, prefix the dsjax and sharding log
+    records with "[process N]" (once per process)."""
+    index = jax.process_index()
+    if index == 0 or getattr(logging.getLogRecordFactory(), "dsjax_process", None) is not None:
+        return
+    base = logging.getLogRecordFactory()
+
+    def factory(*args, **kwargs):
+        record = base(*args, **kwargs)
+        if record.name.split(".")[0] in ("dsjax", "sharding"):
+            record.msg = f"[process {index}] {record.msg}"
+        return record
+
+    factory.dsjax_process = index
+    logging.setLogRecordFactory(factory)
+
+
 def setup_parallel(cfg: C.Config, devices=None) -> Parallel:
     """Multi-host init (if configured), mesh and rules of `cfg.mesh`.
 
@@ -83,6 +105,7 @@ def setup_parallel(cfg: C.Config, devices=None) -> Parallel:
       ConfigError: the global batch does not split over the batch axes or the processes.
     """
     sdist.initialize_from_config(cfg.distributed)
+    _prefix_secondary_logs()
     mesh = make_mesh(cfg.mesh, devices)
     rules = shr.get_rules(cfg.mesh.preset)
     rules.check_mesh(mesh)
@@ -258,6 +281,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     tc = cfg.train
     resume = resume or from_intact
     par = setup_parallel(cfg)
+    primary = jax.process_index() == 0  # writes RUN_DIR's files other than orbax's checkpoints
     run_dir = Path(tc.run_dir)
     ckpt_dir = run_dir / "checkpoints"
     if run_dir.exists() and not run_dir.is_dir():
@@ -298,25 +322,33 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     if old is not None:
         old.close()
 
-    # every input is checked: from here on the run directory is written
-    run_dir.mkdir(parents=True, exist_ok=True)
-    for s_bad in sorted(damaged):
-        aside = run_dir / "checkpoints-damaged" / str(s_bad)
-        aside.parent.mkdir(exist_ok=True)
-        shutil.move(str(ckpt_dir / str(s_bad)), str(aside))
-        log.warning("moved damaged checkpoint step %d to %s", s_bad, aside)
-    (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
-    if Path(tok.path).resolve() != run_tok.resolve():
-        shutil.copyfile(tok.path, run_tok)
-    tok_config = Path(tok.path).parent / "tokenizer_config.json"  # chat template, special tokens
-    if cfg.data.format == "chat" and tok_config.is_file() and \
-            tok_config.resolve() != (run_dir / tok_config.name).resolve():
-        shutil.copyfile(tok_config, run_dir / tok_config.name)
+    # every input is checked: from here on the run directory is written (by process 0)
+    sync = damaged and jax.process_count() > 1  # the other processes never see a half-moved step
+    if sync:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices("dsjax.train: checkpoints verified")
+    if primary:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        for s_bad in sorted(damaged):
+            aside = run_dir / "checkpoints-damaged" / str(s_bad)
+            aside.parent.mkdir(exist_ok=True)
+            shutil.move(str(ckpt_dir / str(s_bad)), str(aside))
+            log.warning("moved damaged checkpoint step %d to %s", s_bad, aside)
+        (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
+        if Path(tok.path).resolve() != run_tok.resolve():
+            shutil.copyfile(tok.path, run_tok)
+        tok_config = Path(tok.path).parent / "tokenizer_config.json"  # chat template, special tokens
+        if cfg.data.format == "chat" and tok_config.is_file() and \
+                tok_config.resolve() != (run_dir / tok_config.name).resolve():
+            shutil.copyfile(tok_config, run_dir / tok_config.name)
+    if sync:
+        multihost_utils.sync_global_devices("dsjax.train: damaged checkpoints moved")
     ckpt = Checkpointer(ckpt_dir, cfg.checkpoint)
 
     train_step = jit_train_step(cfg, fns, tx, schedule, par, shardings)
     eval_step = jit_eval_step(cfg, fns, par, shardings)
-    writer = MetricsWriter(run_dir, tc.tensorboard)
+    writer = MetricsWriter(run_dir, tc.tensorboard, primary)
     ftok = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = device_peak_flops(cfg.model.dtype, tc.peak_tflops)
     n_dev = jax.device_count()
@@ -326,12 +358,14 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     prev = signal.signal(signal.SIGTERM, lambda *_: stop.__setitem__("sigterm", True))
 
     bar = None
-    if tc.progress:
+    if tc.progress and primary:
         from tqdm import tqdm
 
         bar = tqdm(total=tc.steps, initial=start, desc="train", dynamic_ncols=True)
 
     def say(msg: str) -> None:
+        if not primary:
+            return
         line = f"{time.strftime('%H:%M:%S')} dsjax.train: {msg}"
         (bar.write(line) if bar is not None else print(line, flush=True))
 

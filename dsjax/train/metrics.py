@@ -57,19 +57,29 @@ def device_peak_flops(dtype: str, override_tflops: float | None = None) -> float
 
 
 class MetricsWriter:
-    """Append one JSON object per record to RUN_DIR/metrics.jsonl; mirror scalars to TensorBoard."""
+    """Append one JSON object per record to RUN_DIR/metrics.jsonl; mirror scalars to TensorBoard.
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True):
+    In a multi-process run every process computes the same (replicated) metrics; only process 0
+    writes them (`primary`, default: jax.process_index() == 0). On the other processes the
+    writer opens nothing and `write` does nothing."""
+
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, primary: bool | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.primary = jax.process_index() == 0 if primary is None else primary
+        self.file = None
+        self.tb = None
+        if not self.primary:
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.file = open(self.path, "a", buffering=1)
-        self.tb = None
         if tensorboard:
             from tensorboardX import SummaryWriter
 
             self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
 
     def write(self, step: int, record: dict) -> None:
+        if self.file is None:
+            return
         rec = {"step": int(step)}
         for k, v in record.items():
             if isinstance(v, (list, tuple)):
@@ -90,6 +100,7 @@ class MetricsWriter:
                     self.tb.add_scalar(k, v, step)
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:
+            self.file.close()
         if self.tb is not None:
             self.tb.close()

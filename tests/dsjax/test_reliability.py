@@ -26,6 +26,7 @@ from dsjax.checkpoint import CHECKSUMS, Checkpointer, CheckpointError, abstract_
 from dsjax.cli import run_main
 from dsjax.data import stdlib_files
 from dsjax.train import loop
+from dsjax.train.__main__ import main as train_main
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import INITIAL_SCALE, init_model, init_state, initial_loss_scale
 
@@ -43,11 +44,13 @@ def corpus(tmp_path_factory):
 
 
 def small_sets(corpus, tmp, *extra):
+    # optim.decay_steps: one learning-rate schedule whatever train.steps, so that the runs of one
+    # dtype and learning rate lower to the same program (compiled once per session, conftest.py)
     return [f"data.train=[{corpus}/*.py]", "data.validation=[]", "data.val_fraction=0.25",
             f"data.cache_dir={tmp}/cache", "data.seq_len=32", "data.batch_size=4", "model.vocab_size=300",
-            "model.num_hidden_layers=2", "model.first_k_dense_replace=1", f"train.run_dir={tmp}/run",
-            "train.progress=false", "train.tensorboard=false", "train.log_every=1", "train.eval_every=1000",
-            "train.eval_batches=1", *extra]
+            "model.num_hidden_layers=2", "model.first_k_dense_replace=1", "optim.decay_steps=12",
+            f"train.run_dir={tmp}/run", "train.progress=false", "train.tensorboard=false", "train.log_every=1",
+            "train.eval_every=1000", "train.eval_batches=1", *extra]
 
 
 def small(corpus, tmp, *extra):
@@ -479,18 +482,28 @@ def test_fuzz_malformed_configs_fail_in_one_line(tmp_path):
             assert str(path) in msg, (name, msg)  # YAML-level faults name the file
 
 
-def test_fuzz_sample_through_the_cli(tmp_path):
-    # the real command for a sample: exit 2, exactly one stderr line, no run directory
+def test_fuzz_sample_through_the_cli(tmp_path, monkeypatch, capsys):
+    # the command for a sample: exit 2, exactly one stderr line, no run directory. The last case
+    # (a binary file) runs as a real `python -m dsjax.train` process; the others run the same
+    # entry point (dsjax.train.__main__.main under run_main, on these arguments) in this process
     cases = malformed_cases()
     sample = random.Random(1).sample(range(len(cases)), 9) + [len(cases) - 2]  # + a binary file
     for i in sample:
         name, overrides, text = cases[i]
         path, sets = run_case(tmp_path, i, overrides, text)
-        args = [sys.executable, "-m", "dsjax.train"] + (["--config", str(path)] if path else [])
+        argv = ["--config", str(path)] if path else []
         for s in sets:
-            args += ["--set", s]
-        r = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
-        lines = [l for l in r.stderr.splitlines() if l.strip()]
-        assert r.returncode == 2 and len(lines) == 1, (name, r.returncode, r.stderr[-2000:])
+            argv += ["--set", s]
+        if i == sample[-1]:
+            r = subprocess.run([sys.executable, "-m", "dsjax.train", *argv], cwd=ROOT, capture_output=True,
+                               text=True, timeout=120)
+            code, stderr = r.returncode, r.stderr
+        else:
+            monkeypatch.setattr(sys, "argv", ["python -m dsjax.train", *argv])
+            with pytest.raises(SystemExit) as ex:
+                run_main("dsjax.train", train_main)
+            code, stderr = ex.value.code, capsys.readouterr().err
+        lines = [l for l in stderr.splitlines() if l.strip()]
+        assert code == 2 and len(lines) == 1, (name, code, stderr[-2000:])
         assert lines[0].startswith("dsjax.train: error: config: "), lines
         assert not (tmp_path / f"run{i}").exists()

@@ -24,6 +24,13 @@ def tiny_cfg(*mesh_sets):
     return C.load(ROOT / "configs" / "tiny.yaml", TINY + list(mesh_sets))
 
 
+def mp_run_cfg(folder):
+    """The two-process test's run (mp_worker.py): fsdp=8, metrics every step and TensorBoard,
+    files in `folder`/run."""
+    return tiny_cfg("mesh.preset=fsdp", "mesh.fsdp=8", "train.progress=false", "train.tensorboard=true",
+                    "train.log_every=1", "checkpoint.every=3", f"train.run_dir={Path(folder) / 'run'}")
+
+
 def synthetic_batches(cfg, n, seed=0, process_index=0, process_count=1):
     """n packed batches like PackedLoader's (two documents per row, segment-relative positions,
     no loss across the document boundary); returns this process's rows of each."""

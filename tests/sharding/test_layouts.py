@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sharding_common import run_layout, tiny_cfg  # noqa: E402
+from sharding_common import cached_run, run_layout, tiny_cfg  # noqa: E402
 
 LAYOUTS = {
     "fsdp=8": ["mesh.preset=fsdp", "mesh.fsdp=8"],
@@ -32,7 +32,7 @@ def _max_err(a, b):
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_layout_matches_one_device(baseline, name):
     l0, g0, p0, _, _ = baseline
-    l1, g1, p1, par, _ = run_layout(tiny_cfg(*LAYOUTS[name]))
+    l1, g1, p1, par, _ = cached_run(name, LAYOUTS[name])  # fsdp=8: shared with the other files' tests
     assert par.mesh.size == 8
     loss_err = max(abs(a - b) for a, b in zip(l0, l1))
     grad_err = max(_max_err(a, b) for a, b in zip(g0, g1))

@@ -1,5 +1,7 @@
 """Two processes x 4 CPU devices through jax.distributed (gloo) reproduce the one-process
-8-device losses; a process that dies makes the other exit with an error instead of hanging."""
+8-device losses, and only process 0 writes the run directory's own files (orbax writes the
+checkpoint collectively); a process that dies makes the other exit with an error instead of
+hanging."""
 import json
 import socket
 import subprocess
@@ -8,7 +10,11 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from sharding_common import ROOT, cached_run  # noqa: E402
+from sharding_common import ROOT, cached_run, mp_run_cfg  # noqa: E402
+from tokenizers import Tokenizer, models  # noqa: E402
+
+from dsjax import config as C  # noqa: E402
+from dsjax.checkpoint import Checkpointer  # noqa: E402
 
 WORKER = Path(__file__).parent / "mp_worker.py"
 
@@ -30,6 +36,9 @@ def _launch(mode, tmp_path):
 
 
 def test_two_processes_reproduce_single_process_losses(tmp_path):
+    # the tokenizer file the run keeps a copy of (the worker feeds synthetic token ids)
+    Tokenizer(models.WordLevel({f"t{i}": i for i in range(128)}, unk_token="t0")).save(
+        str(tmp_path / "tokenizer.json"))
     procs = _launch("train", tmp_path)
     outs = [p.communicate(timeout=240)[0] for p in procs]
     for p, o in zip(procs, outs):
@@ -41,6 +50,22 @@ def test_two_processes_reproduce_single_process_losses(tmp_path):
         print(f"\nprocess {pid}: losses {got['losses']} vs 1-process {ref}: max err {err:.2e}")
         assert got["mesh"]["fsdp"] == 8
         assert err < 1e-5
+    # the run directory: written once, by process 0
+    cfg = mp_run_cfg(tmp_path)
+    run = tmp_path / "run"
+    recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs] == [1, 2, 3], recs  # one line per logged step
+    assert [r["loss"] for r in recs] == got["losses"]
+    events = [p for p in (run / "tb").rglob("*") if p.is_file()]
+    assert len(events) == 1 and events[0].name.startswith("events.out.tfevents"), events
+    assert (run / "config.yaml").read_text() == C.dump_yaml(cfg)
+    assert C.load(run / "config.yaml") == cfg
+    assert (run / "tokenizer.json").read_bytes() == (tmp_path / "tokenizer.json").read_bytes()
+    assert sorted(p.name for p in run.iterdir()) == ["checkpoints", "config.yaml", "metrics.jsonl", "tb",
+                                                      "tokenizer.json"]
+    ck = Checkpointer(run / "checkpoints", read_only=True)
+    assert ck.all_steps() == [3] and ck.verify(3) is None
+    assert not list((run / "checkpoints" / "3").glob("*.tmp"))
 
 
 def test_dead_process_makes_the_other_fail_not_hang(tmp_path):
