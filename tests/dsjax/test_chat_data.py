@@ -428,7 +428,8 @@ def test_chat_training_run(v3, tmp_path):
         "data.format=chat", f"data.train={tmp_path}/train.jsonl", f"data.validation={tmp_path}/val.jsonl",
         f"data.tokenizer={v3.path}", "data.seq_len=48", "data.batch_size=4", "train.steps=3",
         "train.eval_every=3", "train.eval_batches=1", "train.log_every=1", "checkpoint.every=3",
-        "model.vocab_size=512", f"train.run_dir={run}", "train.tensorboard=false"])
+        "model.vocab_size=512", "model.num_hidden_layers=2", f"train.run_dir={run}",
+        "train.tensorboard=false"])
     summary = train(cfg)
     val = {int(k): v for k, v in summary["val_loss"].items()}
     assert summary["steps"] == 3 and sorted(val) == [0, 3] and np.isfinite(val[3])
