@@ -96,6 +96,12 @@ class LoraAdapter(nnx.Module):
         t = jnp.dot(_dropout(x.astype(dtype), self.rate), self.lora_A[...].astype(dtype))
         return jnp.dot(t, self.lora_B[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
 
+    def merged(self, w, dtype):
+        """w [in, out] + A B scale, in `dtype` (fp32 maths): for consumers that need the weight
+        itself (the chunked lm_head loss). No dropout."""
+        delta = jnp.dot(self.lora_A[...].astype(jnp.float32), self.lora_B[...].astype(jnp.float32))
+        return (w.astype(jnp.float32) + delta * self.scale).astype(dtype)
+
 
 class ExpertsLora(nnx.Module):
     """Per-expert adapters of the routed experts: `gate_proj`, `up_proj`, `down_proj`, each a
