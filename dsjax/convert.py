@@ -21,7 +21,6 @@ import logging
 import shutil
 from pathlib import Path
 
-import jax
 
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer

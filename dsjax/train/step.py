@@ -28,10 +28,9 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from dsjax.config import Config
-from dsjax.model import DeepSeekModel, ModelFns
+from dsjax.model import ModelFns
 from dsjax.model import lora as lora_mod
 from dsjax.model.lm_loss import lm_head_loss, num_chunks
 from dsjax.model.mtp import mtp_targets

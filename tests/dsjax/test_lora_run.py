@@ -56,7 +56,7 @@ def cfg_for(qa, run, *sets):
         f"data.tokenizer={qa}/tokenizer.json", "data.seq_len=128", "data.batch_size=4",
         "optim.warmup_steps=0", "optim.learning_rate=1e-2", f"train.run_dir={run}", "train.progress=false",
         "train.tensorboard=false", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",
-        "mesh.fsdp=1"] + list(sets))
+        "mesh.fsdp=1", "mesh.devices=1"] + list(sets))
 
 
 def metrics(run):
