@@ -2,6 +2,7 @@
 train.init_from a base run (frozen weights bitwise the base's), resume bitwise (with adapter
 dropout), `--to-hf` merged export that transformers reproduces, PEFT adapter files, and a chat
 answer through the run's template."""
+import dataclasses
 import json
 import shutil
 import sys
@@ -16,9 +17,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from dsjax import config as C
 from dsjax import convert, generate as G
+from dsjax.checkpoint import Checkpointer
 from dsjax.data import stdlib_qa
 from dsjax.model.lora import merged_params
 from dsjax.train import finetune, loop
+from dsjax.train.optim import build_optimizer
 
 import torch  # noqa: E402,F401  the test extra: missing torch/transformers fails loudly
 sys.path.insert(0, str(Path(__file__).parent))
@@ -52,7 +55,7 @@ def qa(tmp_path_factory):
 
 def cfg_for(qa, run, *sets):
     return C.load(ROOT / "configs" / "tiny.yaml", MODEL + [
-        "data.format=chat", f"data.train=[{qa}/train.jsonl]", f"data.validation=[{qa}/val.jsonl]",
+        "data.format=chat", f"data.train=[{qa}/train.jsonl]", "data.validation=[]", "data.val_fraction=0",
         f"data.tokenizer={qa}/tokenizer.json", "data.seq_len=128", "data.batch_size=4",
         "optim.warmup_steps=0", "optim.learning_rate=1e-2", f"train.run_dir={run}", "train.progress=false",
         "train.tensorboard=false", "train.log_every=1", "train.eval_every=1000", "train.eval_batches=1",
@@ -64,8 +67,14 @@ def metrics(run):
 
 
 def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
-    base = tmp_path / "base"
-    loop.train(cfg_for(qa, base, "train.steps=2"))
+    base = tmp_path / "base"  # a base run's step-0 checkpoint (as `dsjax.convert --from-hf` writes)
+    bcfg = cfg_for(qa, base, "model.initializer_range=0.1")
+    _, p0, r0 = finetune.init_model(bcfg, seed=3)
+    tx, _ = build_optimizer(bcfg.optim, 1)
+    ck = Checkpointer(base / "checkpoints", dataclasses.replace(bcfg.checkpoint, async_save=False))
+    ck.save(0, finetune.make_state(bcfg, p0, r0, tx), {}, C.to_dict(bcfg))
+    ck.wait()
+    ck.close()
     lora = ["lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "lora.target_modules=[all-linear, lm_head]",
             f"train.init_from={base}", "train.steps=4", "checkpoint.every=2"]
     a = cfg_for(qa, tmp_path / "a", *lora)
