@@ -22,7 +22,7 @@ from pallas_kernels.moe import grouped_lora_delta
 
 ROOT = Path(__file__).resolve().parents[2]
 TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.intermediate_size=32",
-        "model.moe_intermediate_size=16", "model.num_hidden_layers=3", "model.num_attention_heads=2",
+        "model.moe_intermediate_size=16", "model.num_hidden_layers=2", "model.num_attention_heads=2",
         "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
         "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.n_routed_experts=4",
         "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
