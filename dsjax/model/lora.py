@@ -87,7 +87,8 @@ class LoraAdapter(nnx.Module):
         r = cfg.rank
         self.lora_A = nnx.Param(_kaiming_a(key, lead, d_in, r, wdtype),
                                 out_sharding=lead_axes + (in_axis, "lora"))
-        self.lora_B = nnx.Param(jnp.zeros(lead + (r, d_out), wdtype), out_sharding=lead_axes + ("lora", out_axis))
+        self.lora_B = nnx.Param(jnp.zeros(lead + (r, d_out), wdtype),
+                                out_sharding=lead_axes + ("lora", out_axis))
         self.scale = float(cfg.alpha) / r
         self.rate = float(cfg.dropout)
 

@@ -67,7 +67,8 @@ def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
     leaves = [_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     frozen = match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
     if lc.rank > 0:
-        saved = match_patterns(params, lc.modules_to_save, "lora.modules_to_save") if lc.modules_to_save else set()
+        saved = (match_patterns(params, lc.modules_to_save, "lora.modules_to_save")
+                 if lc.modules_to_save else set())
         frozen |= {p for p in leaves if not is_adapter_path(p) and p not in saved}
     return frozen
 
