@@ -28,7 +28,7 @@ from dsjax.cli import run_main
 from dsjax.hf import load_hf, save_hf
 from dsjax.hf.adapters import save_adapters
 from dsjax.model.lora import merged_params
-from dsjax.train import finetune
+from dsjax.train import runs
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_state, initial_loss_scale
 
@@ -71,7 +71,7 @@ def from_hf(hf_dir: str | Path, out: str | Path, config: str | None = None,
 def restore_params(run_dir: str | Path, step: int | None = None):
     """(Config, params, rest, step) of a run's checkpoint, without a random init. `params` is the
     full tree (trainable and frozen leaves joined; a LoRA run's adapters included)."""
-    return finetune.restore_run(run_dir, step)
+    return runs.restore_run(run_dir, step)
 
 
 def to_hf(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: str = "bfloat16",

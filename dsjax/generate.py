@@ -27,7 +27,7 @@ from dsjax.data import tokenizer as tk
 from dsjax.data.chat import ChatTokenizer
 from dsjax.model import abstract_model
 from dsjax.model.lora import merged_params
-from dsjax.train import finetune
+from dsjax.train import runs
 
 
 def sample_logits(logits, key, temperature: float, top_p: float):
@@ -103,7 +103,7 @@ def load_run(run_dir: str | Path, step: int | None = None):
     run_dir = Path(run_dir)
     if not (run_dir / "checkpoints").is_dir():
         raise FileNotFoundError(f"generate: no checkpoints directory in {run_dir}")
-    cfg, params, rest, step = finetune.restore_run(run_dir, step)
+    cfg, params, rest, step = runs.restore_run(run_dir, step)
     if cfg.lora.rank > 0:
         params = merged_params(params, cfg.lora)
     fns, _, _ = abstract_model(cfg.model)

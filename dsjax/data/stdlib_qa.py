@@ -24,6 +24,8 @@ import warnings
 import zlib
 from pathlib import Path
 
+from dsjax.cli import run_main
+
 MODULES = ("json", "os", "os.path", "re", "string", "textwrap", "itertools", "functools", "collections",
            "math", "random", "shutil", "pathlib", "datetime", "heapq", "bisect", "statistics", "fnmatch",
            "glob", "base64", "hashlib", "difflib", "csv", "copy", "operator", "urllib.parse", "html",
@@ -130,8 +132,6 @@ def write(out_dir: str | Path, tokenizer: str | Path | None = None, val_percent:
 
 
 def main() -> None:
-    from dsjax.cli import run_main
-
     def run():
         p = argparse.ArgumentParser(prog="python -m dsjax.data.stdlib_qa", description=__doc__,
                                     formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -27,6 +27,7 @@ from safetensors.numpy import save_file
 
 from dsjax.config import LoraConfig, ModelConfig
 from dsjax.hf import mapping as M
+from dsjax.model.lora import split_adapters
 
 PREFIX = "base_model.model."
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
@@ -35,8 +36,6 @@ NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.fl
 def adapter_tensors(model_cfg: ModelConfig, params: dict, rest: dict) -> dict[str, tuple]:
     """{HF module name (e.g. `model.layers.3.mlp.experts.5.up_proj`): (A [r, in], B [out, r])}
     as float32 numpy arrays, for every adapter in the full params tree `params`."""
-    from dsjax.model.lora import split_adapters
-
     base, ads = split_adapters(params)
     out = {}
     for e in M.entries(model_cfg, base, rest):

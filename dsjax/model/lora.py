@@ -31,7 +31,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 from dsjax.config import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP, LoraConfig, ModelConfig
-from pallas_kernels.moe import grouped_lora_delta
+from dsjax.model.layers import Linear
+from pallas_kernels.moe import grouped_lora_delta, grouped_matmul
 
 ADAPTER_LEAVES = ("lora_A", "lora_B")
 _LOCAL = threading.local()
@@ -130,8 +131,6 @@ def expert_matmul(x, w, pair, group_sizes, scale: float, impl: str, rate: float 
     """Routed-expert projection with its adapter: x [M, Din] rows sorted by expert, w [E, Din, N],
     pair (A [E, Din, r], B [E, r, N]) or None -> [M, N] in x.dtype; the adapter's two GEMMs are
     grouped over the same `group_sizes` [E] as the base GEMM."""
-    from pallas_kernels.moe import grouped_matmul
-
     y = grouped_matmul(x, w, group_sizes, impl=impl)
     if pair is None:
         return y
@@ -161,9 +160,6 @@ def attach_adapters(model, cfg: LoraConfig, rngs: nnx.Rngs) -> int:
 
     Returns the number of adapters attached. Raises ValueError when no module matches.
     """
-    from dsjax.model.layers import Linear
-    from dsjax.model.moe import MoE
-
     targets = expand_targets(cfg, model.cfg)
     n = 0
     mods = sorted(nnx.iter_modules(model), key=lambda pm: tuple(str(p) for p in pm[0]))
@@ -177,7 +173,7 @@ def attach_adapters(model, cfg: LoraConfig, rngs: nnx.Rngs) -> int:
             mod.lora = nnx.data(LoraAdapter(shape[:nl], tuple(axes[:nl]), shape[-2], shape[-1], axes[-2],
                                             axes[-1], cfg, kernel[...].dtype, rngs.params()))
             n += 1
-        elif isinstance(mod, MoE):
+        elif hasattr(mod, "experts") and isinstance(getattr(mod, "up_proj", None), nnx.Param):  # a MoE
             ads = []
             for proj in ("gate_proj", "up_proj", "down_proj"):
                 if f"experts.{proj}" not in targets:

@@ -40,7 +40,7 @@ from dsjax.checkpoint import Checkpointer, abstract_like
 from dsjax.data import Documents, PackedLoader, chat, expand_sources, load_or_train, split_files, stdlib_files
 from dsjax.errors import RunStopped
 from dsjax.hf import load_hf_params
-from dsjax.train import finetune
+from dsjax.train import finetune, runs
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_model, init_state, initial_loss_scale, make_eval_step, make_train_step
@@ -311,7 +311,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
         if tc.init_from_hf:
             base, rest = load_hf_params(tc.init_from_hf, cfg.model, base, rest)
         else:
-            base, rest = finetune.load_base_run(tc.init_from, cfg)
+            base, rest = runs.load_base_run(tc.init_from, cfg)
         params = finetune.join(base, adapters)
     tx, schedule = build_optimizer(cfg.optim, tc.steps)
     params, frozen = finetune.partition(cfg, params)

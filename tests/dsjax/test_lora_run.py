@@ -20,7 +20,7 @@ from dsjax import convert, generate as G
 from dsjax.checkpoint import Checkpointer
 from dsjax.data import stdlib_qa
 from dsjax.model.lora import merged_params
-from dsjax.train import finetune, loop
+from dsjax.train import finetune, loop, runs
 from dsjax.train.optim import build_optimizer
 
 import torch  # noqa: E402,F401  the test extra: missing torch/transformers fails loudly
@@ -72,7 +72,7 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     _, p0, r0 = finetune.init_model(bcfg, seed=3)
     tx, _ = build_optimizer(bcfg.optim, 1)
     ck = Checkpointer(base / "checkpoints", dataclasses.replace(bcfg.checkpoint, async_save=False))
-    ck.save(0, finetune.make_state(bcfg, p0, r0, tx), {}, C.to_dict(bcfg))
+    ck.save(0, runs.make_state(bcfg, p0, r0, tx), {}, C.to_dict(bcfg))
     ck.wait()
     ck.close()
     lora = ["lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "lora.target_modules=[all-linear, lm_head]",
@@ -80,8 +80,8 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     a = cfg_for(qa, tmp_path / "a", *lora)
     loop.train(a)
     # frozen weights are the base run's, bitwise; adapters trained
-    _, pb, rb, _ = finetune.restore_run(base)
-    ca, pa, ra, step = finetune.restore_run(a.train.run_dir)
+    _, pb, rb, _ = runs.restore_run(base)
+    ca, pa, ra, step = runs.restore_run(a.train.run_dir)
     assert step == 4 and ca.lora.rank == 4
     b_a, ads = finetune.base_and_adapters(pa)
     for x, y in zip(jax.tree.leaves(b_a), jax.tree.leaves(pb)):
@@ -101,7 +101,7 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     la = {r["step"]: r["loss"] for r in recs}
     lb = {r["step"]: r["loss"] for r in metrics(b_dir) if "loss" in r}
     assert sorted(lb) == [3, 4] and all(la[s] == lb[s] for s in (3, 4)), (la, lb)
-    _, pb2, _, _ = finetune.restore_run(b_dir)
+    _, pb2, _, _ = runs.restore_run(b_dir)
     for x, y in zip(jax.tree.leaves(pa), jax.tree.leaves(pb2)):
         np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
