@@ -191,6 +191,39 @@ class TrainConfig:
     tensorboard: bool = True
     peak_tflops: Optional[float] = None  # per device; default from the device kind
     init_from_hf: Optional[str] = None
+    init_from: Optional[str] = None  # a dsjax run directory: start from its newest checkpoint's weights
+
+
+# LoRA target names (HF / PEFT module names). `gate_proj`/`up_proj`/`down_proj` are the dense
+# and shared-expert MLPs; `experts.gate_proj`/`experts.up_proj`/`experts.down_proj` the routed
+# experts (one adapter per expert; `experts` names all three); `all-linear` is every attention
+# projection the model has, the dense and shared MLPs and the routed experts (not lm_head).
+LORA_ATTENTION = ("q_proj", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+LORA_MLP = ("gate_proj", "up_proj", "down_proj")
+LORA_EXPERTS = ("experts.gate_proj", "experts.up_proj", "experts.down_proj")
+LORA_TARGETS = LORA_ATTENTION + LORA_MLP + LORA_EXPERTS + ("experts", "lm_head", "all-linear")
+
+
+@dataclass(frozen=True)
+class LoraConfig:
+    """LoRA adapters (Hu et al. 2021, arXiv 2106.09685) and frozen modules for fine-tuning.
+
+    rank > 0: y = x W + dropout(x) A B * alpha / rank on every `target_modules` projection
+    (A [in, rank] random, B [rank, out] zero, as PEFT initialises them); the base weights are
+    frozen except `modules_to_save` (PEFT's name: trained in full), and `freeze` always wins.
+    rank = 0: full fine-tuning of every weight except those matching `freeze`.
+    Patterns in modules_to_save / freeze name a parameter path component (`embed_tokens`,
+    `lm_head`, `dense_layers`, `shared_experts`) or are fnmatch globs over the dotted path
+    (`moe_layers.mlp.gate*`). Frozen weights are stored in the compute dtype, without optimizer
+    state (`dsjax.train.finetune`).
+    """
+
+    rank: int = 0
+    alpha: float = 16.0
+    dropout: float = 0.0
+    target_modules: list[str] = field(default_factory=lambda: ["all-linear"])
+    modules_to_save: list[str] = field(default_factory=list)
+    freeze: list[str] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -211,6 +244,7 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    lora: LoraConfig = field(default_factory=LoraConfig)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -467,6 +501,7 @@ _RANGES = {
     "train.log_every": "[1, inf)", "train.eval_every": "[1, inf)", "train.eval_batches": "[1, inf)",
     "train.max_skipped_steps": "[1, inf)", "train.peak_tflops": "(0, inf)",
     "checkpoint.every": "[1, inf)", "checkpoint.max_to_keep": "[1, inf)",
+    "lora.rank": "[0, inf)", "lora.alpha": "(0, inf)", "lora.dropout": "[0, 1)",
 }
 
 
@@ -608,3 +643,39 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config: optim.learning_rate and optim.warmup_steps must be >= 0")
     if c.every <= 0 or c.max_to_keep <= 0:
         raise ConfigError("config: checkpoint.every and checkpoint.max_to_keep must be > 0")
+    if t.init_from is not None and t.init_from_hf is not None:
+        raise ConfigError("config: train.init_from and train.init_from_hf are exclusive: name one")
+    _validate_lora(cfg)
+
+
+def _validate_lora(cfg: Config) -> None:
+    lc, m = cfg.lora, cfg.model
+    for key in ("target_modules", "modules_to_save", "freeze"):
+        for i, name in enumerate(getattr(lc, key)):
+            if not name.strip():
+                raise ConfigError(f"config: lora.{key}[{i}] is empty")
+    if lc.rank == 0:
+        if lc.modules_to_save:
+            raise ConfigError("config: lora.modules_to_save needs lora.rank > 0 (with rank 0 every "
+                              "weight not matched by lora.freeze is trained)")
+        return
+    if not lc.target_modules:
+        raise ConfigError("config: lora.target_modules must name at least one module when lora.rank > 0")
+    for i, name in enumerate(lc.target_modules):
+        key = f"lora.target_modules[{i}]"
+        if name not in LORA_TARGETS:
+            raise ConfigError(f"config: {key}={name!r}: expected one of {', '.join(LORA_TARGETS)}"
+                              f"{_hint(name, LORA_TARGETS)}")
+        if name == "q_proj" and m.q_lora_rank:
+            raise ConfigError(f"config: {key}='q_proj': this model has q_lora_rank={m.q_lora_rank}, "
+                              f"so its query is q_a_proj + q_b_proj")
+        if name in ("q_a_proj", "q_b_proj") and not m.q_lora_rank:
+            raise ConfigError(f"config: {key}={name!r}: this model has no q LoRA (q_lora_rank is "
+                              f"null), its query is q_proj")
+        if name.startswith("experts") and (m.num_moe_layers == 0 or m.n_routed_experts == 0):
+            raise ConfigError(f"config: {key}={name!r}: the model has no routed experts")
+        if name in LORA_MLP and m.first_k_dense_replace == 0 and m.n_shared_experts == 0:
+            raise ConfigError(f"config: {key}={name!r}: the model has no dense or shared-expert MLP "
+                              f"(routed experts are experts.{name})")
+        if name == "lm_head" and m.tie_word_embeddings:
+            raise ConfigError(f"config: {key}='lm_head': tied embeddings have no lm_head")

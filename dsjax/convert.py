@@ -10,7 +10,8 @@ state at step 0 (fresh optimizer moments), so `python -m dsjax.generate --checkp
 works; the data item is empty (no loader position yet). To *train* from HF weights prefer
 `--set train.init_from_hf=HF_DIR` on a new run.
 `--to-hf` writes config.json, sharded safetensors (+ index) and the run's tokenizer.json, loadable
-by `transformers.AutoModelForCausalLM.from_pretrained`.
+by `transformers.AutoModelForCausalLM.from_pretrained`. A LoRA run is written with its adapters
+merged into the weights, and its adapters alone in HF_DIR/adapter/ (PEFT format).
 """
 from __future__ import annotations
 
@@ -20,13 +21,14 @@ import logging
 import shutil
 from pathlib import Path
 
-import jax
 
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer
 from dsjax.cli import run_main
 from dsjax.hf import load_hf, save_hf
-from dsjax.model import abstract_model
+from dsjax.hf.adapters import save_adapters
+from dsjax.model.lora import merged_params
+from dsjax.train import runs
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_state, initial_loss_scale
 
@@ -67,24 +69,31 @@ def from_hf(hf_dir: str | Path, out: str | Path, config: str | None = None,
 
 
 def restore_params(run_dir: str | Path, step: int | None = None):
-    """(Config, params, rest, step) of a run's checkpoint, without a random init."""
-    ck = Checkpointer(Path(run_dir) / "checkpoints", read_only=True)
-    cfg = C.from_dict(ck.read_config(step))
-    _, p_abs, r_abs = abstract_model(cfg.model)
-    tx, _ = build_optimizer(cfg.optim, cfg.train.steps)
-    abstract = jax.eval_shape(lambda p, r: init_state(p, r, tx), p_abs, r_abs)
-    state, _, _, step = ck.restore(abstract, step)
-    ck.close()
-    return cfg, state["params"], state["rest"], step
+    """(Config, params, rest, step) of a run's checkpoint, without a random init. `params` is the
+    full tree (trainable and frozen leaves joined; a LoRA run's adapters included)."""
+    return runs.restore_run(run_dir, step)
 
 
 def to_hf(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: str = "bfloat16",
           max_shard_bytes: int = 5 * 2**30) -> Path:
-    """dsjax run directory -> HF directory. Returns the HF directory."""
+    """dsjax run directory -> HF directory. Returns the HF directory.
+
+    A LoRA run (lora.rank > 0) is exported merged (W + B A alpha / r per module and per routed
+    expert, `dsjax.model.lora.merged_params`), and its adapters alone are written beside it in
+    PEFT's format (OUT/adapter/: adapter_model.safetensors, adapter_config.json,
+    `dsjax.hf.adapters`)."""
     cfg, params, rest, step = restore_params(run_dir, step)
     tok = Path(run_dir) / "tokenizer.json"
-    save_hf(out, cfg.model, params, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
+    merged = merged_params(params, cfg.lora) if cfg.lora.rank > 0 else params
+    save_hf(out, cfg.model, merged, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
             max_shard_bytes=max_shard_bytes)
+    tok_cfg = Path(run_dir) / "tokenizer_config.json"  # a chat run's template and special tokens
+    if tok_cfg.is_file():
+        shutil.copyfile(tok_cfg, Path(out) / "tokenizer_config.json")
+    if cfg.lora.rank > 0:
+        save_adapters(Path(out) / "adapter", cfg.model, cfg.lora, params, rest, dtype=dtype)
+        log.info("convert: adapters of %s step %d merged into %s and saved alone in %s/adapter",
+                 run_dir, step, out, out)
     log.info("convert: wrote %s from %s step %d", out, run_dir, step)
     return Path(out)
 

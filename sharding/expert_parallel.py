@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import grouped_matmul, permute, unpermute
+from pallas_kernels.moe import grouped_lora_delta, grouped_matmul, permute, unpermute
 
 EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
@@ -49,9 +49,20 @@ def default_chunk_tokens(m: int, k: int, d: int, itemsize: int,
     return best
 
 
-def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, impl, dtype):
+def _dropout(x, rate, key):
+    if key is None or rate <= 0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
+def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, impl, dtype, lora=None):
     """x [M, D]; ids/weights [M, K]; w_gate/w_up [El, D, F]; w_down [El, F, D] -> y [M, D] (fp32):
-    the weighted sum of the local experts' outputs for each row (0 for rows routed elsewhere)."""
+    the weighted sum of the local experts' outputs for each row (0 for rows routed elsewhere).
+    lora: None or {"pairs": ((A, B) or None for gate, up, down: the local experts' factors),
+    "scale", "rate", "key"}: each projection adds its per-expert adapter term over the same
+    groups. With F split over `mlp_axes`, down's A is split over F too: its partial products
+    are linear in A's rows, so the existing psum over `mlp_axes` adds them."""
     El = w_gate.shape[0]
     e0 = jax.lax.axis_index(axis) * El
     local = ids - e0
@@ -62,13 +73,27 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
     gs = group_sizes[:El]
     g = grouped_matmul(xs, w_gate.astype(dtype), gs, impl=impl)
     u = grouped_matmul(xs, w_up.astype(dtype), gs, impl=impl)
+    if lora is not None:
+        (pg, pu, pd), s = lora["pairs"], lora["scale"]
+        key = lora["key"]
+        if key is not None:  # a different mask on every expert rank
+            key = jax.random.fold_in(key, jax.lax.axis_index(axis))
+        keys = [None if key is None else jax.random.fold_in(key, i) for i in range(3)]
+        xd = _dropout(xs, lora["rate"], keys[0])
+        if pg is not None:
+            g = g + grouped_lora_delta(xd, pg[0], pg[1], gs, scale=s, impl=impl)
+        if pu is not None:
+            u = u + grouped_lora_delta(xd, pu[0], pu[1], gs, scale=s, impl=impl)
     h = jax.nn.silu(g) * u
     y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
+    if lora is not None and pd is not None:
+        y = y + grouped_lora_delta(_dropout(h, lora["rate"], keys[2]), pd[0], pd[1], gs, scale=s, impl=impl)
     return unpermute(y, perm, w, impl=impl).astype(jnp.float32)
 
 
 def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_axes=(), seq_axes=(),
-                        mlp_axes=(), impl="auto", dtype=jnp.float32, axis=EXPERT, chunk_tokens=None):
+                        mlp_axes=(), impl="auto", dtype=jnp.float32, axis=EXPERT, chunk_tokens=None,
+                        lora=None):
     """Routed-expert output with experts sharded over mesh axis `axis`.
 
     Args:
@@ -81,6 +106,9 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
       impl: MoE kernel backend; dtype: compute dtype of the GEMMs.
       chunk_tokens: tokens per dispatch chunk on a rank (a divisor of the ep x local tokens it
         processes); None: `default_chunk_tokens`.
+      lora: None, or per-expert LoRA factors {"pairs": (gate, up, down), each (A [E, in, r],
+        B [E, r, out]) or None; "scale": alpha / r; "rate": dropout; "key": uint32 [2] or None}.
+        A and B enter with experts over `axis`; gate/up's B and down's A split F over mlp_axes.
     Returns:
       [B, T, D] fp32: sum_k weights[., k] * FFN_{ids[., k]}(x), laid out like x.
     Raises:
@@ -97,7 +125,12 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
     wspec_in = P(axis, None, ma)
     wspec_out = P(axis, ma, None)
 
-    def body(x, ids, weights, wg, wu, wd):
+    pairs = lora["pairs"] if lora is not None else (None, None, None)
+    lspecs = ((P(axis, None, None), P(axis, None, ma)), (P(axis, None, None), P(axis, None, ma)),
+              (P(axis, ma, None), P(axis, None, None)))
+    lkey = lora["key"] if lora is not None else None
+
+    def body(x, ids, weights, wg, wu, wd, pairs, lkey):
         b, t, D = x.shape
         K = ids.shape[-1]
         xf, idf, wf = x.reshape(b * t, D), ids.reshape(b * t, K), weights.reshape(b * t, K)
@@ -110,13 +143,20 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
         if m % c:
             raise ValueError(f"expert parallel: chunk_tokens={c} does not divide the {m} tokens "
                              f"a rank processes")
-        local = lambda xs: _local_experts(*xs, wg, wu, wd, axis=axis, mlp_axes=ma, impl=impl,  # noqa: E731
-                                          dtype=dtype)
+        def local(xs):
+            lo = None
+            if lora is not None:  # the chunk's own dropout key (xs[3])
+                lo = {"pairs": pairs, "scale": lora["scale"], "rate": lora["rate"], "key": xs[3]}
+            return _local_experts(*xs[:3], wg, wu, wd, axis=axis, mlp_axes=ma, impl=impl, dtype=dtype,
+                                  lora=lo)
+
+        n_chunks = m // c
+        keys = None if lkey is None else jax.random.split(lkey, n_chunks)
         if c == m:
-            y = local((xf, idf, wf))
+            y = local((xf, idf, wf, None if keys is None else keys[0]))
         else:  # one chunk per step; its intermediates are recomputed in the backward
             split = lambda a: a.reshape(m // c, c, *a.shape[1:])  # noqa: E731
-            y = jax.lax.map(jax.checkpoint(local), (split(xf), split(idf), split(wf)))
+            y = jax.lax.map(jax.checkpoint(local), (split(xf), split(idf), split(wf), keys))
             y = y.reshape(m, D)
         if ma:
             y = jax.lax.psum(y, ma)
@@ -129,13 +169,15 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
     # check_vma=False: the reference grouped-GEMM backward scans from an unannotated zeros carry,
     # which the varying-manual-axes type check rejects; gradients are verified against 1 device
     # in tests/sharding/test_layouts.py.
-    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out),
+    pspecs = tuple(None if p is None else s for p, s in zip(pairs, lspecs))
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(tok, tok, tok, wspec_in, wspec_in, wspec_out, pspecs,
+                                                  None if lkey is None else P()),
                        out_specs=tok, check_vma=False)
-    return fn(x, ids, weights, w_gate, w_up, w_down)
+    return fn(x, ids, weights, w_gate, w_up, w_down, pairs, lkey)
 
 
 def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto", dtype=jnp.float32,
-                     chunk_tokens=None):
+                     chunk_tokens=None, lora=None):
     """`moe_expert_parallel` with axes from an active `sharding.rules.ShardingContext`; batch and
     sequence axes that do not divide x's sizes are dropped (e.g. decoding one sequence)."""
     spec = tuple(ctx.spec(("batch", "seq", None), x.shape, strict=False)) + (None, None)
@@ -143,4 +185,4 @@ def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto",
     return moe_expert_parallel(
         x, ids, weights, w_gate, w_up, w_down, mesh=ctx.mesh, batch_axes=axes(spec[0]),
         seq_axes=axes(spec[1]), mlp_axes=ctx.rules.mesh_axes("mlp", ctx.mesh), impl=impl,
-        dtype=dtype, chunk_tokens=chunk_tokens)
+        dtype=dtype, chunk_tokens=chunk_tokens, lora=lora)

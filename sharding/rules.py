@@ -2,7 +2,10 @@
 checks, ZeRO-3 placement of the `fsdp` axis, and the active sharding context the model reads.
 
 The model names logical axes only. Parameters: `embed, heads, q_lora, kv_lora, mlp, experts,
-vocab, norm, layers` (stacked layers lead with `layers`); activations: `batch, seq, act_heads`.
+vocab, norm, layers` (stacked layers lead with `layers`), and `lora`, the rank of a LoRA adapter,
+which no preset maps: an adapter A [.., in, r] / B [.., r, out] is sharded by its other names like
+the weight it adapts (experts over `expert`, heads / MLP over `tensor`, ZeRO-3 over `fsdp`);
+activations: `batch, seq, act_heads`.
 A preset's `table` maps each logical axis to a tuple of mesh axes; mesh axes of size 1 drop
 out, so one preset serves any mesh that sizes only the axes it names. Rules are checked per
 array: a mesh axis used by two dimensions of one array is a collision (`ShardingRuleError`),

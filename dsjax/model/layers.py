@@ -38,11 +38,14 @@ class Linear(nnx.Module):
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), wdt), out_sharding=axes)
         self.bias = nnx.Param(jnp.zeros((d_out,), wdt), out_sharding=axes[1:]) if bias else None
         self.dtype = dtype_of(cfg.dtype)
+        self.lora = None  # a `dsjax.model.lora.LoraAdapter` when fine-tuned with LoRA
 
     def __call__(self, x):
         y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
+        if self.lora is not None:
+            y = y + self.lora(x, self.dtype)
         return y
 
 

@@ -18,6 +18,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.model.layers import MLP, dtype_of
+from dsjax.model.lora import dropout_key_data, expert_matmul
 from pallas_kernels.moe import grouped_matmul, permute, unpermute
 from sharding import rules as shr
 from sharding.expert_parallel import moe_from_context
@@ -115,12 +116,21 @@ class MoE(nnx.Module):
         self.up_proj = nnx.Param(init(rngs.params(), (E, D, F), wdt), out_sharding=("experts", "embed", "mlp"))
         self.down_proj = nnx.Param(init(rngs.params(), (E, F, D), wdt), out_sharding=("experts", "mlp", "embed"))
         self.shared_experts = MLP(cfg, F * cfg.n_shared_experts, rngs=rngs) if cfg.n_shared_experts else None
+        self.experts = None  # per-expert adapters (`dsjax.model.lora.ExpertsLora`) under LoRA
 
     def _routed(self, xt, ids, weights):
         """Single-program dropless dispatch: xt [T, D], ids/weights [T, K] -> [T, D]."""
         c = self.cfg
         dt = dtype_of(c.dtype)
         xs, group_sizes, perm = permute(xt.astype(dt), ids, num_experts=c.n_routed_experts, impl=c.moe_impl)
+        if self.experts is not None:  # LoRA: each projection plus its per-expert adapter
+            (pg, pu, pd), s = self.experts.pairs(dt)
+            rate = self.experts.rate()
+            g = expert_matmul(xs, self.gate_proj[...].astype(dt), pg, group_sizes, s, c.moe_impl, rate)
+            u = expert_matmul(xs, self.up_proj[...].astype(dt), pu, group_sizes, s, c.moe_impl, rate)
+            h = jax.nn.silu(g) * u
+            y = expert_matmul(h, self.down_proj[...].astype(dt), pd, group_sizes, s, c.moe_impl, rate)
+            return unpermute(y, perm, weights, impl=c.moe_impl)
         g = grouped_matmul(xs, self.gate_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
         u = grouped_matmul(xs, self.up_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
         h = jax.nn.silu(g) * u
@@ -143,9 +153,15 @@ class MoE(nnx.Module):
             # experts over `expert`, which may be 1): the Pallas kernels are custom calls that the
             # SPMD partitioner would otherwise run on gathered, replicated tokens.
             K = c.num_experts_per_tok
+            lora = None
+            if self.experts is not None:
+                pairs, s = self.experts.pairs(dt)
+                rate = self.experts.rate()
+                lora = {"pairs": pairs, "scale": s, "rate": rate,
+                        "key": dropout_key_data() if rate > 0 else None}
             out = moe_from_context(x, ids.reshape(B, T, K), weights.reshape(B, T, K), self.gate_proj[...],
                                    self.up_proj[...], self.down_proj[...], ctx=ctx,
-                                   impl=c.moe_impl, dtype=dt).astype(dt)
+                                   impl=c.moe_impl, dtype=dt, lora=lora).astype(dt)
         else:
             out = self._routed(xt, ids, weights).reshape(B, T, D)
         if self.shared_experts is not None:

@@ -135,10 +135,13 @@ class DeepSeekModel(nnx.Module):
         return self.norm(h), aux
 
     def lm_head_weight(self, dtype):
-        """The output projection [D, V] in `dtype`: lm_head.kernel, or the transposed embedding
-        table when tie_word_embeddings."""
+        """The output projection [D, V] in `dtype`: lm_head.kernel (plus its LoRA update
+        A B alpha/r when it has an adapter), or the transposed embedding table when
+        tie_word_embeddings."""
         if self.lm_head is None:
             return self.embed_tokens[...].astype(dtype).T
+        if self.lm_head.lora is not None:  # LoRA on lm_head: the merged weight W + A B s
+            return self.lm_head.lora.merged(self.lm_head.kernel[...], dtype)
         return self.lm_head.kernel[...].astype(dtype)
 
     def logits(self, h):

@@ -40,6 +40,7 @@ from dsjax.checkpoint import Checkpointer, abstract_like
 from dsjax.data import Documents, PackedLoader, chat, expand_sources, load_or_train, split_files, stdlib_files
 from dsjax.errors import RunStopped
 from dsjax.hf import load_hf_params
+from dsjax.train import finetune, runs
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_model, init_state, initial_loss_scale, make_eval_step, make_train_step
@@ -128,24 +129,33 @@ def state_shardings(fns, tx, par: Parallel, abstract_state: dict) -> dict:
     moments, replicated scalars; router biases by their logical axes)."""
     p_logical = nnx.get_partition_spec(fns.abstract_params).to_pure_dict()
     r_logical = nnx.get_partition_spec(fns.abstract_rest).to_pure_dict()
-    p_sh = shr.tree_shardings(p_logical, abstract_state["params"], par.mesh, par.rules)
+    sel = finetune.select_like
+    p_sh = shr.tree_shardings(sel(p_logical, abstract_state["params"]), abstract_state["params"], par.mesh,
+                              par.rules)
     r_sh = shr.tree_shardings(r_logical, abstract_state["rest"], par.mesh, par.rules, param=False)
     rep = NamedSharding(par.mesh, P())
     out = {k: rep for k in abstract_state}
     out["params"], out["rest"] = p_sh, r_sh
+    if "frozen" in abstract_state:  # frozen weights: sharded as parameters, no moments
+        out["frozen"] = shr.tree_shardings(sel(p_logical, abstract_state["frozen"]), abstract_state["frozen"],
+                                           par.mesh, par.rules)
     out["opt"] = shr.optimizer_shardings(tx, abstract_state["opt"], p_sh, par.mesh)
     return out
 
 
-def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0):
-    """Place params/rest and build the optimizer state in their shardings.
+def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, frozen=None):
+    """Place params/rest (and the frozen leaves, if any) and build the optimizer state of
+    `params` in their shardings.
 
     Returns (state, shardings)."""
-    abstract = jax.eval_shape(lambda p, r: init_state(p, r, tx, loss_scale), params, rest)
+    abstract = jax.eval_shape(lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f), params, rest, frozen)
     sh = state_shardings(fns, tx, par, abstract)
     params = jax.device_put(params, sh["params"])
     rest = jax.device_put(rest, sh["rest"])
-    state = jax.jit(lambda p, r: init_state(p, r, tx, loss_scale), out_shardings=sh)(params, rest)
+    if frozen is not None:
+        frozen = jax.device_put(frozen, sh["frozen"])
+    state = jax.jit(lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f), out_shardings=sh)(
+        params, rest, frozen)
     return state, sh
 
 
@@ -186,7 +196,8 @@ def jit_eval_step(cfg: C.Config, fns, par: Parallel, shardings: dict):
         with shr.use_sharding(par.ctx):
             return step(params, rest, batch)
 
-    return jax.jit(traced, in_shardings=(shardings["params"], shardings["rest"], None),
+    p_sh = finetune.join(shardings["params"], shardings.get("frozen"))
+    return jax.jit(traced, in_shardings=(p_sh, shardings["rest"], None),
                    out_shardings=NamedSharding(par.mesh, P()))
 
 
@@ -295,11 +306,17 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     tok, train_loader, val_loader = build_data(cfg, run_tok if latest is not None and run_tok.is_file() else None)
 
     fns, params, rest = init_model(cfg)
-    if tc.init_from_hf:
-        params, rest = load_hf_params(tc.init_from_hf, cfg.model, params, rest)
+    if tc.init_from_hf or tc.init_from:  # base weights from a checkpoint; adapters stay fresh
+        base, adapters = finetune.base_and_adapters(params)
+        if tc.init_from_hf:
+            base, rest = load_hf_params(tc.init_from_hf, cfg.model, base, rest)
+        else:
+            base, rest = runs.load_base_run(tc.init_from, cfg)
+        params = finetune.join(base, adapters)
     tx, schedule = build_optimizer(cfg.optim, tc.steps)
-    state, shardings = create_state(fns, params, rest, tx, par, initial_loss_scale(cfg))
-    del params, rest
+    params, frozen = finetune.partition(cfg, params)
+    state, shardings = create_state(fns, params, rest, tx, par, initial_loss_scale(cfg), frozen or None)
+    del params, rest, frozen
     start, damaged = 0, {}
     if latest is not None:
         step_to, damaged = old.check_restorable(from_intact=from_intact)
@@ -398,7 +415,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
                                  f"finite or the model overflows in {cfg.model.dtype}")
 
     if val_loader is not None and start == 0:
-        v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
+        v = evaluate(eval_step, finetune.full_params(state), state["rest"], val_loader, tc.eval_batches, par)
         check_val(0, v)
         summary["val_loss"][0] = v
         writer.write(0, {"val_loss": v, "elapsed_s": time.time() - t0})
@@ -439,6 +456,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
                        "tokens_per_s": tps, "loss_scale": m["loss_scale"], "skipped": m["skipped"]}
                 if peak:
                     rec["mfu"] = tps * ftok / (peak * n_dev)
+                rec.update({k: v for k, v in m.items() if k.startswith("grad_norm/") or k.startswith("tokens_")})
                 if "expert_load_max_over_mean" in m:
                     rec["expert_load_max_over_mean"] = list(m["expert_load_max_over_mean"])
                     rec["router_entropy"] = list(m["router_entropy"])
@@ -450,7 +468,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
                 check_nonfinite()
             if val_loader is not None and (step % tc.eval_every == 0 or last_of_run):
                 te = time.time()
-                v = evaluate(eval_step, state["params"], state["rest"], val_loader, tc.eval_batches, par)
+                v = evaluate(eval_step, finetune.full_params(state), state["rest"], val_loader, tc.eval_batches, par)
                 eval_s += time.time() - te
                 summary["val_loss"][step] = v
                 writer.write(step, {"val_loss": v, "elapsed_s": time.time() - t0})

@@ -28,13 +28,15 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
-from flax import nnx
 
 from dsjax.config import Config
-from dsjax.model import DeepSeekModel, ModelFns
+from dsjax.model import ModelFns
+from dsjax.model import lora as lora_mod
 from dsjax.model.lm_loss import lm_head_loss, num_chunks
 from dsjax.model.mtp import mtp_targets
 from dsjax.model.moe import update_router_bias
+from dsjax.train import finetune
+from dsjax.train.finetune import grad_group_norms, token_counts
 from sharding import rules as shr
 
 GROWTH_INTERVAL = 2000  # finite fp16 steps before the loss scale doubles
@@ -42,11 +44,9 @@ INITIAL_SCALE = 2.0 ** 15
 
 
 def init_model(cfg: Config, seed: int | None = None):
-    """Create the model; returns (ModelFns, params pure dict, rest pure dict)."""
-    model = DeepSeekModel(cfg.model, rngs=nnx.Rngs(cfg.train.seed if seed is None else seed))
-    graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
-    fns = ModelFns(graphdef, jax.eval_shape(lambda: ps), jax.eval_shape(lambda: rs))
-    return fns, ps.to_pure_dict(), rs.to_pure_dict()
+    """Create the model (with LoRA adapters when lora.rank > 0, `finetune.init_model`);
+    returns (ModelFns, params pure dict, rest pure dict)."""
+    return finetune.init_model(cfg, seed)
 
 
 def initial_loss_scale(cfg: Config) -> float:
@@ -54,9 +54,12 @@ def initial_loss_scale(cfg: Config) -> float:
     return INITIAL_SCALE if cfg.model.dtype == "float16" else 1.0
 
 
-def init_state(params, rest, tx: optax.GradientTransformation, loss_scale: float = 1.0) -> dict:
-    """The train state of fresh params; `loss_scale`: `initial_loss_scale(cfg)` for training."""
-    return {
+def init_state(params, rest, tx: optax.GradientTransformation, loss_scale: float = 1.0,
+               frozen=None) -> dict:
+    """The train state of fresh params; `loss_scale`: `initial_loss_scale(cfg)` for training.
+    `frozen`: leaves that do not train (`dsjax.train.finetune`), kept under "frozen" with no
+    optimizer state; None: every param trains."""
+    state = {
         "params": params,
         "rest": rest,
         "opt": tx.init(params),
@@ -67,6 +70,9 @@ def init_state(params, rest, tx: optax.GradientTransformation, loss_scale: float
         "nonfinite_step": jnp.asarray(-1, jnp.int32),
         "bad_steps": jnp.zeros((), jnp.int32),
     }
+    if frozen is not None:
+        state["frozen"] = frozen
+    return state
 
 
 def cross_entropy(logits, targets, mask):
@@ -160,13 +166,18 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
                 aux["mtp_expert_counts"] = jnp.stack([st["expert_counts"] for st in mtp_stats])
         return lm_obj + obj * scale, (nll_sum, aux)
 
-    grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+    # differentiates the trainable params only; frozen leaves and the LoRA dropout key ride along
+    grad_fn = jax.value_and_grad(lora_mod.with_frozen(micro_loss), has_aux=True)
 
     def train_step(state, batch):
         if batch["inputs"].shape[0] != n_accum:
             raise ValueError(f"train_step: batch leading dim {batch['inputs'].shape[0]} must equal "
                              f"train.grad_accum={n_accum} (micro-batches)")
         params, rest = state["params"], state["rest"]
+        frozen = state.get("frozen")
+        drop_keys = lora_mod.dropout_keys(cfg.lora, cfg.train.seed, state["step"], n_accum)
+        if drop_keys is not None:
+            batch = dict(batch, lora_key=drop_keys)
         weights = compute_weights(params, compute_dtype)
         scale = state["loss_scale"] if fp16 else jnp.asarray(1.0, jnp.float32)
         n_total = jnp.maximum(jnp.sum(batch["loss_mask"].astype(jnp.float32)), 1.0)
@@ -178,7 +189,8 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
 
         def body(carry, mb):
             g_acc, nll_acc, aux_acc = carry
-            (_, (nll_sum, aux)), g = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total, n_real)
+            (_, (nll_sum, aux)), g = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total, n_real,
+                                             frozen=frozen, key=mb.get("lora_key"))
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             aux_acc = jax.tree.map(lambda a, b: a + b, aux_acc, aux)
             return (g_acc, nll_acc + nll_sum, aux_acc), None
@@ -193,8 +205,9 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             if mtp_noaux:
                 aux0["mtp_expert_counts"] = jnp.zeros((n_mtp, mcfg.n_routed_experts))
         if n_accum == 1:  # no accumulator: saves a zero-fill and an add over every parameter
-            (_, (nll_sum, aux)), grads = grad_fn(weights, rest, jax.tree.map(lambda x: x[0], batch),
-                                                 n_total, scale, n_mtp_total, n_real)
+            mb = jax.tree.map(lambda x: x[0], batch)
+            (_, (nll_sum, aux)), grads = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total, n_real,
+                                                 frozen=frozen, key=mb.get("lora_key"))
             aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -257,6 +270,8 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             "finite": finite,
             "loss_scale": scale,
             "skipped": new_state["skipped"],
+            **grad_group_norms(grads),
+            **token_counts(batch),
         }
         if has_moe:
             counts = aux["expert_counts"]
@@ -274,6 +289,7 @@ def make_eval_step(cfg: Config, fns: ModelFns) -> Callable:
     """`eval_step(params, rest, batch [B, T] arrays) -> (nll_sum, n_tokens)` in fp32."""
 
     def eval_step(params, rest, batch):
+        """params: the full tree (`dsjax.train.finetune.full_params` of a state)."""
         model = fns.merge(params, rest)
         logits, _ = model(batch["inputs"], batch["positions"], batch["segment_ids"])
         return cross_entropy(logits, batch["targets"], batch["loss_mask"])

@@ -5,7 +5,7 @@ import jax
 import numpy as np
 
 from dsjax import config as C
-from dsjax.train import loop
+from dsjax.train import finetune, loop
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_model
 
@@ -52,6 +52,15 @@ def synthetic_batches(cfg, n, seed=0, process_index=0, process_count=1):
     return out
 
 
+def randomize_lora_b(params, seed=7, scale=0.2):
+    """Replace every LoRA B (zero at init) by random values."""
+    leaves, tdef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree_util.tree_unflatten(tdef, [
+        jax.random.normal(k, x.shape, x.dtype) * scale if str(p[-1].key) == "lora_B" else x
+        for k, (p, x) in zip(keys, leaves)])
+
+
 def adam_mu(opt_state):
     return [x.mu for x in jax.tree.leaves(opt_state, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(x, "mu")][0]
 
@@ -61,8 +70,11 @@ def run_layout(cfg, steps=3, devices=None, batches=None):
     numpy trees recovered from Adam's first moment, final params, Parallel, state)."""
     par = loop.setup_parallel(cfg, devices)
     fns, params, rest = init_model(cfg)
+    if cfg.lora.rank:  # a trained adapter (B != 0), so every layout exercises the adapter maths
+        params = randomize_lora_b(params)
     tx, schedule = build_optimizer(cfg.optim, cfg.train.steps)
-    state, sh = loop.create_state(fns, params, rest, tx, par)
+    params, frozen = finetune.partition(cfg, params)
+    state, sh = loop.create_state(fns, params, rest, tx, par, frozen=frozen or None)
     step = loop.jit_train_step(cfg, fns, tx, schedule, par, sh)
     batches = batches or synthetic_batches(cfg, steps, process_index=jax.process_index(),
                                            process_count=jax.process_count())

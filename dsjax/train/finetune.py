@@ -1,0 +1,169 @@
+"""Fine-tuning: which weights train, how the frozen ones are stored, and per-module diagnostics.
+
+The train state's `params` holds only the trainable leaves (fp32 master copies, the optimizer's
+whole view), and `frozen` (present only when something is frozen) the rest, stored once in the
+compute dtype (model.dtype) with no optimizer state; the router `gate` stays fp32 because
+routing reads it in fp32. What trains (`dsjax.config.LoraConfig`):
+  lora.rank > 0   the adapters, plus base weights matched by lora.modules_to_save
+  lora.rank = 0   every base weight
+and in both cases nothing that lora.freeze matches. `join(state["params"], state["frozen"])`
+is the model's full parameter tree.
+
+Gradient norms per module group (`grad_group_norms`) and the token counts of a step
+(`token_counts`) are computed inside the jitted step from values it already has.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.config import Config
+from dsjax.model import DeepSeekModel, ModelFns
+from dsjax.model.layers import dtype_of
+from dsjax.model.lora import attach_adapters, is_adapter_path, join, match_patterns, split_adapters
+
+FP32_FROZEN = ("gate",)  # routed in fp32: kept fp32 when frozen
+
+
+def _names(path) -> tuple[str, ...]:
+    return tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
+
+
+def init_model(cfg: Config, seed: int | None = None):
+    """The model with its adapters (lora.rank > 0): (ModelFns, params, rest) pure dicts.
+
+    The base weights are the same random init as without LoRA (same seed); adapters draw from
+    a separate stream (seed + 1). Raises ValueError when lora.target_modules matches nothing.
+    """
+    seed = cfg.train.seed if seed is None else seed
+    model = DeepSeekModel(cfg.model, rngs=nnx.Rngs(seed))
+    if cfg.lora.rank > 0:
+        attach_adapters(model, cfg.lora, nnx.Rngs(seed + 1))
+    graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
+    fns = ModelFns(graphdef, jax.eval_shape(lambda: ps), jax.eval_shape(lambda: rs))
+    return fns, ps.to_pure_dict(), rs.to_pure_dict()
+
+
+def abstract_model(cfg: Config, seed: int = 0):
+    """(ModelFns, abstract params, abstract rest) of `init_model` without materialising it."""
+    def make():
+        model = DeepSeekModel(cfg.model, rngs=nnx.Rngs(seed))
+        if cfg.lora.rank > 0:
+            attach_adapters(model, cfg.lora, nnx.Rngs(seed + 1))
+        return model
+
+    model = nnx.eval_shape(make)
+    graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
+    return ModelFns(graphdef, ps, rs), ps.to_pure_dict(), rs.to_pure_dict()
+
+
+def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
+    """Paths of the frozen leaves of the full params tree (arrays or specs).
+
+    Raises ValueError (one line, naming the field) for a lora.freeze / modules_to_save pattern
+    that matches no parameter."""
+    lc = cfg.lora
+    leaves = [_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    frozen = match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
+    if lc.rank > 0:
+        saved = (match_patterns(params, lc.modules_to_save, "lora.modules_to_save")
+                 if lc.modules_to_save else set())
+        frozen |= {p for p in leaves if not is_adapter_path(p) and p not in saved}
+    return frozen
+
+
+def _select(tree: dict, paths: set, keep: bool, prefix=()) -> dict:
+    out = {}
+    for k, v in tree.items():
+        p = prefix + (k,)
+        if isinstance(v, dict):
+            sub = _select(v, paths, keep, p)
+            if sub:
+                out[k] = sub
+        elif (p in paths) == keep:
+            out[k] = v
+    return out
+
+
+def partition(cfg: Config, params: dict, cast: bool = True) -> tuple[dict, dict]:
+    """Full params -> (trainable, frozen) pure dicts. `cast`: frozen float leaves to the compute
+    dtype (except FP32_FROZEN); False keeps them as they are (logical specs, shardings)."""
+    paths = frozen_paths(cfg, params)
+    train, frozen = _select(params, paths, False), _select(params, paths, True)
+    if cast and frozen:
+        dt = dtype_of(cfg.model.dtype)
+
+        def c(path, x):
+            if _names(path)[-1] in FP32_FROZEN or not jnp.issubdtype(x.dtype, jnp.floating):
+                return x
+            return x.astype(dt) if isinstance(x, jax.Array) else jax.ShapeDtypeStruct(x.shape, dt)
+        frozen = jax.tree_util.tree_map_with_path(c, frozen)
+    return train, frozen
+
+
+def select_like(full: dict, like: dict) -> dict:
+    """The sub-tree of `full` with the keys of `like` (e.g. logical specs of the trainable part)."""
+    return {k: select_like(full[k], v) if isinstance(v, dict) else full[k] for k, v in like.items()}
+
+
+def full_params(state: dict) -> dict:
+    """The model's whole params tree of a train state: trainable joined with frozen."""
+    return join(state["params"], state.get("frozen"))
+
+
+def base_and_adapters(params: dict) -> tuple[dict, dict]:
+    """(base params, adapter leaves) of a full params tree."""
+    return split_adapters(params)
+
+
+# ----------------------------------------------------------------------------- diagnostics
+
+def group_of(path: tuple[str, ...]) -> str:
+    """Module group of a params path (for per-group gradient norms); an adapter belongs to the
+    group of the weight it adapts."""
+    if path[0] == "mtp":
+        return "mtp"
+    if path[0] == "embed_tokens":
+        return "embed"
+    if path[0] == "lm_head":
+        return "lm_head"
+    s = set(path)
+    if s & {"q_proj", "q_a_proj", "q_b_proj", "q_a_layernorm"}:
+        return "attn_q"
+    if s & {"kv_a_proj_with_mqa", "kv_b_proj", "kv_a_layernorm"}:
+        return "attn_kv"
+    if "o_proj" in s:
+        return "attn_o"
+    if "shared_experts" in s:
+        return "shared_experts"
+    if path[0] == "moe_layers" and "mlp" in s:
+        return "router" if path[-1] == "gate" else "routed_experts"
+    if path[0] == "dense_layers" and "mlp" in s:
+        return "dense_mlp"
+    return "norms"
+
+
+def grad_group_norms(grads: dict) -> dict:
+    """L2 norms (fp32 scalars) of the gradients per module group: "grad_norm/<group>" for the
+    base weights that train, "grad_norm/adapters/<group>" for the adapters of that group and
+    "grad_norm/adapters" over all adapters; only groups that have gradients appear."""
+    sq: dict[str, list] = {}
+    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+        names = _names(path)
+        s = jnp.sum(jnp.square(g.astype(jnp.float32)))
+        if is_adapter_path(names):
+            sq.setdefault("adapters", []).append(s)
+            sq.setdefault("adapters/" + group_of(names), []).append(s)
+        else:
+            sq.setdefault(group_of(names), []).append(s)
+    return {f"grad_norm/{k}": jnp.sqrt(sum(v)) for k, v in sorted(sq.items())}
+
+
+def token_counts(batch: dict) -> dict:
+    """Target tokens of a step [A, B, T] batch: trained (loss mask) and masked (real tokens the
+    loss mask leaves out, e.g. prompts of chat data), fp32 scalars."""
+    real = batch["segment_ids"] > 0
+    trained = batch["loss_mask"].astype(bool)
+    return {"tokens_trained": jnp.sum(trained & real).astype(jnp.float32),
+            "tokens_masked": jnp.sum(real & ~trained).astype(jnp.float32)}

@@ -1,0 +1,286 @@
+"""LoRA and layered fine-tuning: config errors, fresh adapters leave the model unchanged, the
+adapter model equals its merged weights, grouped-GEMM expert LoRA equals a per-expert einsum
+reference (forward and gradients), adapter gradients follow the chain rule through the merged
+weight, only trainable leaves reach the optimizer while frozen leaves (compute dtype) stay
+bitwise unchanged, and accumulation with LoRA equals the larger batch."""
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from dsjax import config as C
+from dsjax.model import abstract_model
+from dsjax.model.lora import expert_matmul, merged_params, split_adapters
+from dsjax.train import finetune, runs
+from dsjax.train.optim import build_optimizer
+from dsjax.train.step import make_train_step
+from pallas_kernels.moe import grouped_lora_delta
+
+ROOT = Path(__file__).resolve().parents[2]
+TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.intermediate_size=32",
+        "model.moe_intermediate_size=16", "model.num_hidden_layers=2", "model.num_attention_heads=2",
+        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
+        "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.n_routed_experts=4",
+        "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
+        "model.first_k_dense_replace=1", "model.attention_impl=reference", "model.moe_impl=reference",
+        "data.seq_len=16", "data.batch_size=4", "optim.warmup_steps=0", "optim.learning_rate=1e-2",
+        "mesh.fsdp=1"]
+LORA = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[all-linear, lm_head]"]
+
+
+def cfg_of(*sets):
+    return C.load(ROOT / "configs" / "tiny.yaml", TINY + list(sets))
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def batch_of(cfg, seed=0, rows=None):
+    rng = np.random.default_rng(seed)
+    B, T = rows or cfg.data.batch_size, cfg.data.seq_len
+    toks = rng.integers(2, cfg.model.vocab_size, (B, T + 1)).astype(np.int32)
+    mask = (rng.random((B, T)) < 0.7).astype(np.float32)  # a chat-like loss mask
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": mask,
+            "segment_ids": np.ones((B, T), np.int32),
+            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
+
+
+def randomize_b(params, seed=1, scale=0.3):
+    """Adapters with non-zero B (a trained adapter), so LoRA changes the model."""
+    leaves, tdef = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    out = [jax.random.normal(k, x.shape, x.dtype) * scale if str(p[-1].key) == "lora_B" else x
+           for k, (p, x) in zip(keys, leaves)]
+    return jax.tree_util.tree_unflatten(tdef, out)
+
+
+@pytest.mark.parametrize("sets, needle", [
+    (["lora.rank=4", "lora.target_modules=[q_projj]"], "lora.target_modules[0]='q_projj': expected one of"),
+    (["lora.rank=4", "lora.target_modules=[q_proj]"], "lora.target_modules[0]='q_proj': this model has q_lora_rank"),
+    (["lora.rank=4", "lora.target_modules=[o_proj, experts.up]"], "lora.target_modules[1]='experts.up'"),
+    (["lora.rank=-1"], "lora.rank must be in [0, inf)"),
+    (["lora.rank=4", "lora.dropout=1.0"], "lora.dropout must be in [0, 1)"),
+    (["lora.modules_to_save=[lm_head]"], "lora.modules_to_save needs lora.rank > 0"),
+    (["train.init_from=a", "train.init_from_hf=b"], "train.init_from and train.init_from_hf"),
+])
+def test_config_errors_name_the_field(sets, needle):
+    with pytest.raises(C.ConfigError) as e:
+        cfg_of(*sets)
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+def test_bad_target_via_cli_is_one_line_exit_2(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "dsjax.train", "--config", "configs/tiny.yaml", "--set",
+                        "lora.rank=8", "--set", "lora.target_modules=[kv_proj]", "--set",
+                        f"train.run_dir={tmp_path}/run"], cwd=ROOT, capture_output=True, text=True,
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert "lora.target_modules[0]='kv_proj'" in r.stderr and not (tmp_path / "run").exists()
+
+
+def test_unmatched_freeze_pattern_is_an_error():
+    cfg = cfg_of("lora.freeze=[embed_tokenz]")
+    _, params, _ = finetune.init_model(cfg)
+    with pytest.raises(ValueError, match=r"lora.freeze\[0\]='embed_tokenz' matches no parameter"):
+        finetune.partition(cfg, params)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fresh_adapters_give_the_base_logits_bitwise(dtype):
+    cfg = cfg_of(*LORA, f"model.dtype={dtype}")
+    base = cfg_of(f"model.dtype={dtype}")
+    fns, params, rest = finetune.init_model(cfg)
+    fb, pb, rb = finetune.init_model(base)
+    b, ad = split_adapters(params)
+    assert jax.tree.all(jax.tree.map(lambda x, y: bool(jnp.all(x == y)), b, pb))  # same base init
+    n_a = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(ad)[0] if str(p[-1].key) == "lora_A")
+    assert n_a > 0 and all(float(jnp.std(x)) > 0 for x in jax.tree.leaves(ad) if x.ndim and x.shape[-1] == 4)
+    toks = jnp.asarray(batch_of(cfg)["inputs"])
+    a = np.asarray(fns.merge(params, rest)(toks)[0])
+    np.testing.assert_array_equal(a, np.asarray(fb.merge(pb, rb)(toks)[0]))
+
+
+def test_adapter_model_equals_its_merged_weights():
+    cfg = cfg_of(*LORA)
+    fns, params, rest = finetune.init_model(cfg)
+    params = randomize_b(params)
+    toks = jnp.asarray(batch_of(cfg)["inputs"])
+    ours = np.asarray(fns.merge(params, rest)(toks)[0])
+    bf, _, _ = abstract_model(cfg.model)
+    merged = np.asarray(bf.merge(merged_params(params, cfg.lora), rest)(toks)[0])
+    base = np.asarray(bf.merge(split_adapters(params)[0], rest)(toks)[0])
+    assert rel(base, merged) > 1e-2  # the adapters matter
+    assert rel(ours, merged) < 1e-5
+
+
+def _ref_gmm(x, w, gs):
+    """Dense per-expert reference: the rows of group e times w[e] (a Python loop over experts)."""
+    out = jnp.zeros((x.shape[0], w.shape[-1]), jnp.float32)
+    start = 0
+    for e, n in enumerate(np.asarray(gs)):
+        out = out.at[start:start + n].set(jnp.einsum("md,dn->mn", x[start:start + n].astype(jnp.float32), w[e]))
+        start += n
+    return out
+
+
+def _ref_delta(x, a, b, gs, scale):
+    return _ref_gmm(x, jnp.einsum("edr,ern->edn", a, b) * scale, gs)
+
+
+def test_grouped_expert_lora_matches_per_expert_reference():
+    rng = np.random.default_rng(0)
+    E, D, N, r, M = 5, 24, 40, 4, 70
+    gs = jnp.asarray([17, 0, 21, 9, 20], jnp.int32)  # an empty group; 3 rows past the sum
+    x = jnp.asarray(rng.normal(size=(M, D)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(E, D, N)) * 0.2, jnp.float32)
+    a = jnp.asarray(rng.normal(size=(E, D, r)) * 0.3, jnp.float32)
+    b = jnp.asarray(rng.normal(size=(E, r, N)) * 0.3, jnp.float32)
+    cot = jnp.asarray(rng.normal(size=(M, N)), jnp.float32)
+    s = 2.0
+
+    def ref(x, w, a, b):
+        return _ref_gmm(x, w, gs) + _ref_delta(x, a, b, gs, s)
+
+    def ours(x, w, a, b):
+        return expert_matmul(x, w, (a, b), gs, s, "reference")
+
+    y, y_ref = ours(x, w, a, b), ref(x, w, a, b)
+    assert rel(y, y_ref) < 1e-6
+    np.testing.assert_array_equal(np.asarray(y[67:]), 0)  # rows past the groups
+    g = jax.grad(lambda *p: jnp.sum(ours(*p) * cot), argnums=(0, 1, 2, 3))(x, w, a, b)
+    g_ref = jax.grad(lambda *p: jnp.sum(ref(*p) * cot), argnums=(0, 1, 2, 3))(x, w, a, b)
+    for name, u, v in zip("xwab", g, g_ref):
+        assert rel(u, v) < 1e-6, name
+    # the delta alone, and in bf16 against the fp32 reference
+    d16 = grouped_lora_delta(x.astype(jnp.bfloat16), a, b, gs, scale=s, impl="reference")
+    assert d16.dtype == jnp.bfloat16 and rel(d16, _ref_delta(x, a, b, gs, s)) < 2e-2
+
+
+def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weight():
+    """dL/dA = dL/dW' B^T s and dL/dB = A^T dL/dW' s, W' = W + A B s (a stacked MLA projection
+    and the routed experts' up projection, per layer and per expert)."""
+    cfg = cfg_of(*LORA)
+    fns, params, rest = finetune.init_model(cfg)
+    params = randomize_b(params)
+    bf, _, _ = abstract_model(cfg.model)
+    bt = batch_of(cfg)
+    toks = jnp.asarray(bt["inputs"])
+    cot = jnp.asarray(np.random.default_rng(3).normal(size=(4, 16, 128)), jnp.float32)
+    s = cfg.lora.alpha / cfg.lora.rank
+    g_lora = jax.grad(lambda p: jnp.sum(fns.merge(p, rest)(toks)[0] * cot))(params)
+    merged = merged_params(params, cfg.lora)
+    g_w = jax.grad(lambda p: jnp.sum(bf.merge(p, rest)(toks)[0] * cot))(merged)
+    cases = [(("moe_layers", "self_attn", "kv_b_proj", "kernel"), ("moe_layers", "self_attn", "kv_b_proj", "lora")),
+             (("moe_layers", "mlp", "up_proj"), ("moe_layers", "mlp", "experts", "up_proj")),
+             (("lm_head", "kernel"), ("lm_head", "lora"))]
+    get = lambda t, p: t if not p else get(t[p[0]], p[1:])  # noqa: E731
+    for wp, ap in cases:
+        dW = get(g_w, wp)
+        A, B = get(params, ap)["lora_A"], get(params, ap)["lora_B"]
+        dA, dB = get(g_lora, ap)["lora_A"], get(g_lora, ap)["lora_B"]
+        assert float(jnp.max(jnp.abs(dA))) > 0
+        assert rel(dA, jnp.einsum("...io,...ro->...ir", dW, B) * s) < 1e-4, wp
+        assert rel(dB, jnp.einsum("...ir,...io->...ro", A, dW) * s) < 1e-4, wp
+
+
+def _mu_paths(opt):
+    mu = [x.mu for x in jax.tree.leaves(opt, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(x, "mu")][0]
+    return {tuple(str(k.key) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(mu)[0]}
+
+
+def _paths(tree):
+    return {tuple(str(k.key) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]}
+
+
+@pytest.mark.parametrize("sets", [
+    LORA + ["lora.modules_to_save=[lm_head]", "model.dtype=bfloat16"],
+    ["lora.freeze=[embed_tokens, dense_layers, '*.self_attn.*']", "model.dtype=bfloat16"],
+])
+def test_optimizer_sees_only_trainable_leaves_and_frozen_stay_bitwise(sets):
+    cfg = cfg_of(*sets)
+    fns, params, rest = finetune.init_model(cfg)
+    tx, sch = build_optimizer(cfg.optim, 3)
+    state = runs.make_state(cfg, params, rest, tx)
+    train_p, frozen_p = _paths(state["params"]), _paths(state["frozen"])
+    assert train_p and frozen_p and not train_p & frozen_p and train_p | frozen_p == _paths(params)
+    assert _mu_paths(state["opt"]) == train_p
+    if cfg.lora.rank:
+        assert all(p[-1] in ("lora_A", "lora_B") or p[0] == "lm_head" for p in train_p)
+        assert ("lm_head", "kernel") in train_p
+    else:
+        assert not any(p[0] in ("embed_tokens", "dense_layers") or "self_attn" in p for p in train_p)
+    for p, x in jax.tree_util.tree_flatten_with_path(state["frozen"])[0]:
+        want = jnp.float32 if str(p[-1].key) == "gate" else jnp.bfloat16
+        assert x.dtype == want, p
+    frozen0 = jax.tree.map(np.asarray, state["frozen"])
+    train0 = jax.tree.map(np.asarray, state["params"])
+    step = jax.jit(make_train_step(cfg, fns, tx, sch))
+    for i in range(2):
+        state, m = step(state, jax.tree.map(lambda v: jnp.asarray(v)[None], batch_of(cfg, i)))
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(frozen0), jax.tree.leaves(state["frozen"])))
+    assert all(not np.array_equal(a, np.asarray(b)) for a, b in zip(jax.tree.leaves(train0), jax.tree.leaves(state["params"])))
+    groups = {k for k in m if k.startswith("grad_norm/")}
+    if cfg.lora.rank:
+        assert {"grad_norm/adapters", "grad_norm/adapters/attn_q", "grad_norm/adapters/attn_kv",
+                "grad_norm/adapters/attn_o", "grad_norm/adapters/routed_experts", "grad_norm/lm_head",
+                "grad_norm/adapters/shared_experts", "grad_norm/adapters/dense_mlp"} <= groups
+    else:
+        assert {"grad_norm/routed_experts", "grad_norm/router", "grad_norm/lm_head"} <= groups
+        assert "grad_norm/embed" not in groups and "grad_norm/attn_q" not in groups
+    sq = sum(float(m[k]) ** 2 for k in groups if not k.startswith("grad_norm/adapters/"))
+    np.testing.assert_allclose(np.sqrt(sq), float(m["grad_norm"]), rtol=1e-5)
+    bt = batch_of(cfg, 1)
+    assert float(m["tokens_trained"]) == bt["loss_mask"].sum()
+    assert float(m["tokens_masked"]) == bt["loss_mask"].size - bt["loss_mask"].sum()
+
+
+def test_accumulation_with_lora_equals_the_larger_batch():
+    """train.grad_accum=2 over B/2 rows equals one micro-batch of B rows (fp32, LoRA + dropout 0)."""
+    one = cfg_of(*LORA, "data.batch_size=8", "train.grad_accum=1")
+    two = cfg_of(*LORA, "data.batch_size=4", "train.grad_accum=2")
+    bt = batch_of(one, 5, rows=8)
+    out = []
+    for cfg, A in ((one, 1), (two, 2)):
+        fns, params, rest = finetune.init_model(cfg)
+        params = randomize_b(params)
+        tx, sch = build_optimizer(cfg.optim, 3)
+        state = runs.make_state(cfg, params, rest, tx)
+        batch = {k: jnp.asarray(v).reshape(A, 8 // A, *v.shape[1:]) for k, v in bt.items()}
+        state, m = jax.jit(make_train_step(cfg, fns, tx, sch))(state, batch)
+        mu = [x.mu for x in jax.tree.leaves(state["opt"], is_leaf=lambda x: hasattr(x, "mu"))
+              if hasattr(x, "mu")][0]  # (1 - b1) x the clipped gradient
+        out.append((m, mu))
+    (m1, g1), (m2, g2) = out
+    np.testing.assert_allclose(float(m1["loss"]), float(m2["loss"]), rtol=1e-6)
+    np.testing.assert_allclose(float(m1["grad_norm"]), float(m2["grad_norm"]), rtol=1e-5)
+    assert float(m1["grad_norm/adapters/routed_experts"]) > 0
+    for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
+        assert rel(b, a) < 1e-4, p  # fp32 rounding of sums over other micro-batches
+
+
+def test_expert_lora_through_the_pallas_kernels_matches_reference():
+    """impl='pallas' (Mosaic GPU kernels; GPU interpret mode without a Hopper GPU), rank 128 so
+    the adapter GEMMs run in the kernels too: bf16 forward and gradients vs the fp32 per-expert
+    reference, an empty expert included."""
+    E, D, N, r, M = 4, 128, 128, 128, 128
+    k = jax.random.split(jax.random.key(4), 5)
+    gs = jnp.asarray([50, 0, 45, 33], jnp.int32)
+    x = jax.random.normal(k[0], (M, D)).astype(jnp.bfloat16)
+    w = (jax.random.normal(k[1], (E, D, N)) / 12).astype(jnp.bfloat16)
+    a = (jax.random.normal(k[2], (E, D, r)) / 12).astype(jnp.bfloat16)
+    b = (jax.random.normal(k[3], (E, r, N)) / 12).astype(jnp.bfloat16)
+    cot = jax.random.normal(k[4], (M, N)).astype(jnp.bfloat16)
+    f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
+    out, vjp = jax.vjp(lambda *p: expert_matmul(*p[:2], (p[2], p[3]), gs, 0.5, "pallas"), x, w, a, b)
+    grads = vjp(cot)
+    ref = lambda x, w, a, b: _ref_gmm(x, w, gs) + _ref_delta(x, a, b, gs, 0.5)  # noqa: E731
+    out_r, vjp_r = jax.vjp(ref, f32(x), f32(w), f32(a), f32(b))
+    assert out.dtype == jnp.bfloat16 and rel(f32(out), out_r) < 1e-2
+    for name, g, g_r in zip("xwab", grads, vjp_r(f32(cot))):
+        assert rel(f32(g), g_r) < 2e-2, name
