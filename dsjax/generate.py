@@ -12,7 +12,6 @@ layer instead of H * (Dqk + Dv).
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 from pathlib import Path
 

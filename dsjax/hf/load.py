@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from dsjax.config import ModelConfig
