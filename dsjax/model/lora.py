@@ -200,7 +200,8 @@ def is_adapter_path(path) -> bool:
     return bool(path) and str(path[-1]) in ADAPTER_LEAVES
 
 
-def _names(path) -> tuple[str, ...]:
+def path_names(path) -> tuple[str, ...]:
+    """The names of a `tree_flatten_with_path` key path (dict keys, attribute names), as str."""
     return tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
 
 
@@ -270,7 +271,7 @@ def match_patterns(params: dict, patterns, where: str) -> set[tuple[str, ...]]:
     """Paths of the base leaves of `params` that one of `patterns` names: a path component equal
     to the pattern, or an fnmatch of the dotted path. Raises ValueError naming the first pattern
     (and `where`, e.g. 'lora.freeze') that matches no leaf."""
-    leaves = [_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     leaves = [p for p in leaves if not is_adapter_path(p) and "lora" not in p]
     hit = set()
     for i, pat in enumerate(patterns):

@@ -21,13 +21,10 @@ from flax import nnx
 from dsjax.config import Config
 from dsjax.model import DeepSeekModel, ModelFns
 from dsjax.model.layers import dtype_of
-from dsjax.model.lora import attach_adapters, is_adapter_path, join, match_patterns, split_adapters
+from dsjax.model.lora import (attach_adapters, is_adapter_path, join, match_patterns, path_names,
+                              split_adapters)
 
 FP32_FROZEN = ("gate",)  # routed in fp32: kept fp32 when frozen
-
-
-def _names(path) -> tuple[str, ...]:
-    return tuple(str(getattr(p, "key", getattr(p, "name", p))) for p in path)
 
 
 def init_model(cfg: Config, seed: int | None = None):
@@ -64,7 +61,7 @@ def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
     Raises ValueError (one line, naming the field) for a lora.freeze / modules_to_save pattern
     that matches no parameter."""
     lc = cfg.lora
-    leaves = [_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
     frozen = match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
     if lc.rank > 0:
         saved = (match_patterns(params, lc.modules_to_save, "lora.modules_to_save")
@@ -95,7 +92,7 @@ def partition(cfg: Config, params: dict, cast: bool = True) -> tuple[dict, dict]
         dt = dtype_of(cfg.model.dtype)
 
         def c(path, x):
-            if _names(path)[-1] in FP32_FROZEN or not jnp.issubdtype(x.dtype, jnp.floating):
+            if path_names(path)[-1] in FP32_FROZEN or not jnp.issubdtype(x.dtype, jnp.floating):
                 return x
             return x.astype(dt) if isinstance(x, jax.Array) else jax.ShapeDtypeStruct(x.shape, dt)
         frozen = jax.tree_util.tree_map_with_path(c, frozen)
@@ -150,7 +147,7 @@ def grad_group_norms(grads: dict) -> dict:
     "grad_norm/adapters" over all adapters; only groups that have gradients appear."""
     sq: dict[str, list] = {}
     for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
-        names = _names(path)
+        names = path_names(path)
         s = jnp.sum(jnp.square(g.astype(jnp.float32)))
         if is_adapter_path(names):
             sq.setdefault("adapters", []).append(s)

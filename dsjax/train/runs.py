@@ -13,8 +13,8 @@ from dsjax import config as C
 from dsjax.checkpoint import Checkpointer
 from dsjax.config import Config
 from dsjax.model.layers import dtype_of
-from dsjax.model.lora import merged_params
-from dsjax.train.finetune import FP32_FROZEN, _names, abstract_model, full_params, partition
+from dsjax.model.lora import merged_params, path_names
+from dsjax.train.finetune import FP32_FROZEN, abstract_model, full_params, partition
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_state
 
@@ -62,5 +62,5 @@ def load_base_run(run_dir, cfg: Config) -> tuple[dict, dict]:
     base = merged_params(params, theirs.lora)
     wdt = dtype_of(cfg.model.weight_dtype)
     base = jax.tree_util.tree_map_with_path(
-        lambda p, x: x.astype(jnp.float32 if _names(p)[-1] in FP32_FROZEN else wdt), base)
+        lambda p, x: x.astype(jnp.float32 if path_names(p)[-1] in FP32_FROZEN else wdt), base)
     return base, rest
