@@ -4,21 +4,44 @@ grouped GEMMs over the same row groups as the base GEMM.
 Legend: M rows sorted by group, Kd input width, N output width, E groups (experts), r rank.
 delta[i] = (x[i] @ A[g(i)]) @ B[g(i)] * scale, the adapter term of
 x[i] @ (W[g(i)] + A[g(i)] B[g(i)] scale) (Hu et al. 2021, arXiv 2106.09685, eq. 3), with the
-per-expert factors of SkyRL tx's `LoRAExpert`. The rank-r GEMMs are too narrow for the Mosaic
-GPU kernels (widths must be multiples of 128), so impl="pallas" runs them in the "auto"
-backend choice; gradients come from `grouped_matmul`'s custom VJP (dx, dA, dB grouped GEMMs).
+per-expert factors of SkyRL tx's `LoRAExpert`. The Mosaic GPU kernels take widths that are
+multiples of 128, so where they run, the rank is zero-padded to the next multiple of 128 (A's
+extra columns and B's extra rows are zeros: the product, and the gradients of the real
+columns and rows, are exact); at rank 16 that is 8x the adapter GEMMs' FLOPs, still a small
+share of the base GEMM's, where the fallback `lax.ragged_dot` runs ~50x slower than the kernels
+on an H200. Gradients come from `grouped_matmul`'s custom VJP (dx, dA, dB grouped GEMMs).
 """
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from pallas_kernels.moe import api
+
+
+KERNEL_WIDTH = 128  # the Mosaic GPU grouped GEMMs' width granule (output and contraction)
 
 
 def _impl_for(impl, x, w):
     if impl == "pallas" and api._pallas_fits(x, w) is not None:
         return "auto"
     return impl
+
+
+def padded_rank(x, a, b, impl):
+    """The rank the adapter GEMMs run at: r rounded up to KERNEL_WIDTH when the kernels take
+    both padded GEMMs for this impl and device (`api._resolve`), else r."""
+    r = a.shape[-1]
+    rp = -(-r // KERNEL_WIDTH) * KERNEL_WIDTH
+    if rp == r or impl == "reference":
+        return r
+    a_p = jax.ShapeDtypeStruct(a.shape[:-1] + (rp,), x.dtype)
+    t_p = jax.ShapeDtypeStruct(x.shape[:-1] + (rp,), x.dtype)
+    b_p = jax.ShapeDtypeStruct((b.shape[0], rp, b.shape[2]), x.dtype)
+    fits = api._pallas_fits(x, a_p) is None and api._pallas_fits(t_p, b_p) is None
+    if not fits or api._resolve(impl, x, a_p) == "reference":
+        return r
+    return rp
 
 
 def grouped_lora_delta(x, a, b, group_sizes, *, scale: float, impl: str = "auto"):
@@ -38,6 +61,10 @@ def grouped_lora_delta(x, a, b, group_sizes, *, scale: float, impl: str = "auto"
     """
     a = a.astype(x.dtype)
     b = b.astype(x.dtype)
+    r, rp = a.shape[-1], padded_rank(x, a, b, impl)
+    if rp != r:
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
+        b = jnp.pad(b, ((0, 0), (0, rp - r), (0, 0)))
     t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
     y = api.grouped_matmul(t, b, group_sizes, impl=_impl_for(impl, t, b))
     return y * jnp.asarray(scale, y.dtype)
