@@ -37,13 +37,11 @@ weights (63 GB) are never materialised beside their bf16 copies and the allocato
 step's. Every dsjax row runs with model.scan_layers=true (compile time independent of depth);
 `--set` adds config overrides to every dsjax row (e.g. --set model.remat=dots_saveable).
 
-Memory estimate, dsjax_all (B4 x T2048): frozen bf16 weights 15.7 B x 2 B = 31.4 GB; adapters
-~0.29 B (routed experts 26 layers x 64 x 3 x (2048 + 1408) x 16 = 0.276 B, attention 7 M, dense
-and shared MLPs 7 M) x 16 B (fp32 master, grad, two moments) = 4.6 GB; activations ~0.7 GB per
-layer without remat (the 4-layer full-training row of train_step.py: 38.3 GB peak for 35 GB of
-state) -> ~19 GB for 27 layers; total ~55 GB, under half of HF + PEFT's 120.1 GB. With
-model.remat=full the activations drop to the layer inputs (27 x 8192 x 2048 x 2 B = 0.9 GB) plus
-one layer's recompute: ~38 GB, for ~1/3 more step time.
+Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01, no remat): dsjax_attn 73.6 GB,
+dsjax_all 90.7 GB. Frozen bf16 weights are 15.7 B x 2 B = 31.4 GB and the
+adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the rest, ~40 GB, is the
+activations of 27 scanned layers, which `model.remat` (`--rows dsjax_all_remat`, or `--set
+model.remat=dots_saveable`) trades for recompute.
 
 Columns: step ms (mean of --steps after --warmup untimed steps; dsjax's first step is also its
 compile), tokens/s (B x T / step), peak GB (dsjax: the allocator's `peak_bytes_in_use` over the
