@@ -25,6 +25,8 @@ important first):
                    cost of expert LoRA is dsjax_all against this row
   dsjax_peft_reach exactly what PEFT reaches: attention projections + routed experts (optional;
                    dsjax_all adapts the dense and shared MLPs besides, ~7 M parameters more)
+  dsjax_all_dots   dsjax_all with model.remat=dots_saveable (GEMM outputs kept, the rest
+                   recomputed in the backward): the row within half of HF + PEFT's memory
   dsjax_all_remat  dsjax_all with model.remat=full (optional)
   hf_peft_attn     hf_peft on the attention projections only (optional)
 
@@ -40,8 +42,15 @@ step's. Every dsjax row runs with model.scan_layers=true (compile time independe
 Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01, no remat): dsjax_attn 73.6 GB,
 dsjax_all 90.7 GB. Frozen bf16 weights are 15.7 B x 2 B = 31.4 GB and the
 adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the rest, ~40 GB, is the
-activations of 27 scanned layers, which `model.remat` (`--rows dsjax_all_remat`, or `--set
-model.remat=dots_saveable`) trades for recompute.
+activations of 27 scanned layers, which `model.remat` trades for recompute. `python -m dsjax.plan`
+(CPU compile of this step, 1 device; it gave 74.5 GB for dsjax_attn) plans dsjax_all at 95.7 GB
+without remat, 54.6 GB with dots_saveable (dsjax_all_dots) and 40.3 GB with full remat:
+
+    python -m dsjax.plan --config configs/deepseek_v2_lite.yaml --devices 1 --no-check \
+        --set mesh.preset=fsdp --set mesh.expert=1 --set model.scan_layers=true \
+        --set data.batch_size=4 --set data.seq_len=2048 --set lora.rank=16 --set lora.alpha=32 \
+        --set "lora.target_modules=[q_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj, gate_proj, up_proj, down_proj, experts]" \
+        --set model.remat=dots_saveable
 
 Columns: step ms (mean of --steps after --warmup untimed steps; dsjax's first step is also its
 compile), tokens/s (B x T / step), peak GB (dsjax: the allocator's `peak_bytes_in_use` over the
@@ -81,10 +90,11 @@ ROWS = {  # name: (kind, HF / PEFT target names, dsjax-only extra targets, dsjax
     "hf_peft": ("hf", ALL, [], []),
     "dsjax_attn": ("dsjax", ATTN, [], []),
     "dsjax_peft_reach": ("dsjax", ATTN, ["experts"], []),
+    "dsjax_all_dots": ("dsjax", ALL, ["experts"], ["model.remat=dots_saveable"]),
     "dsjax_all_remat": ("dsjax", ALL, ["experts"], ["model.remat=full"]),
     "hf_peft_attn": ("hf", ATTN, [], []),
 }
-DEFAULT_ROWS = "dsjax_all,hf_peft,dsjax_attn"
+DEFAULT_ROWS = "dsjax_all_dots,hf_peft,dsjax_all,dsjax_attn"
 RANK, ALPHA = 16, 32
 DSJAX_BASE = ["model.scan_layers=true", f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "lora.dropout=0.0"]
 TINY = ["model.vocab_size=1024", "model.hidden_size=128", "model.num_attention_heads=2",

@@ -53,8 +53,7 @@ from jax.sharding import NamedSharding
 
 from dsjax import config as C
 from dsjax import plan_explain
-from dsjax.model import abstract_model
-from dsjax.train import loop
+from dsjax.train import finetune, loop
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_state
 from pallas_kernels._compile_only import hopper_kernels_compile_only
@@ -84,10 +83,14 @@ def _per_device(tree, shard) -> int:
 
 
 def _abstract_state(cfg, devices):
+    """The train state `python -m dsjax.train` builds for cfg, as sharded shapes: with LoRA
+    adapters and frozen leaves (bf16, no moments) when cfg.lora / lora.freeze ask for them."""
     par = loop.setup_parallel(cfg, devices)
-    fns, params, rest = abstract_model(cfg.model)
+    fns, params, rest = finetune.abstract_model(cfg)
     tx, schedule = build_optimizer(cfg.optim, max(cfg.train.steps, 1))
-    abstract = jax.eval_shape(lambda p, r: init_state(p, r, tx), params, rest)
+    trainable, frozen = finetune.partition(cfg, params)
+    abstract = jax.eval_shape(lambda p, r, f: init_state(p, r, tx, frozen=f), trainable, rest,
+                              frozen or None)
     sh = loop.state_shardings(fns, tx, par, abstract)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, sh)
     return par, fns, tx, schedule, sh, state
@@ -98,7 +101,8 @@ def state_bytes(cfg, n_devices: int) -> dict:
     shardings, nothing compiled)."""
     _, _, _, _, sh, state = _abstract_state(cfg, jax.devices()[:n_devices])
     return {"params": _per_device(state["params"], sh["params"]),
-            "optimizer": _per_device(state["opt"], sh["opt"])}
+            "optimizer": _per_device(state["opt"], sh["opt"]),
+            "frozen": _per_device(state["frozen"], sh["frozen"]) if "frozen" in state else 0}
 
 
 def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
@@ -114,7 +118,8 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
       explain_top: > 0 with XLA dumping to $DSJAX_PLAN_DUMP (`_child_env`): also return
         "explain", `plan_explain.explain` of this compile (the temp buffers live at its peak).
     Returns:
-      bytes per device: params, optimizer, rest (router biases, scalars), batch (sharding-
+      bytes per device: params (trainable), optimizer, frozen (LoRA / lora.freeze: frozen
+        weights in the compute dtype), rest (router biases, scalars), batch (sharding-
       derived), argument / output / alias / temp (compiled memory analysis), peak =
       argument + output - alias + temp.
     """
@@ -134,8 +139,9 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
     out = {
         "params": per_device(state["params"], sh["params"]),
         "optimizer": per_device(state["opt"], sh["opt"]),
+        "frozen": per_device(state["frozen"], sh["frozen"]) if "frozen" in state else 0,
         "rest": per_device(state["rest"], sh["rest"]) + sum(
-            per_device(state[k], sh[k]) for k in state if k not in ("params", "opt", "rest")),
+            per_device(state[k], sh[k]) for k in state if k not in ("params", "opt", "rest", "frozen")),
         "batch": batch_bytes,
         "argument": int(ma.argument_size_in_bytes),
         "output": int(ma.output_size_in_bytes),
@@ -185,7 +191,7 @@ def predicted_peak(cfg, n_from: int, full: dict, n_to: int) -> float | None:
     ratio = jnp.dtype(cfg.model.dtype).itemsize / jnp.dtype(cfg.model.weight_dtype).itemsize
     scaled = 2 * full["params"] * ratio
     temp = full["temp"] + scaled * (n_from / n_to - 1)
-    args = st["params"] + st["optimizer"] + full["rest"] + full["batch"]
+    args = st["params"] + st["optimizer"] + st["frozen"] + full["rest"] + full["batch"]
     return args + full["output"] - full["alias"] + temp  # outputs other than the donated state
 
 
@@ -254,10 +260,12 @@ def _report(cfg, n, hbm_gb, res) -> str:
              "per device (GB):",
              f"  parameters        {f['params'] / GB:9.2f}",
              f"  optimizer state   {f['optimizer'] / GB:9.2f}",
+             *([f"  frozen weights    {f['frozen'] / GB:9.2f}  (LoRA / lora.freeze: compute dtype, "
+                "no moments)"] if f.get("frozen") else []),
              f"  router bias, misc {f['rest'] / GB:9.4f}",
              f"  batch             {f['batch'] / GB:9.4f}",
              f"  compiled args     {f['argument'] / GB:9.2f}  (state + batch; "
-             f"sharding-derived {(f['params'] + f['optimizer'] + f['rest'] + f['batch']) / GB:.2f})",
+             f"sharding-derived {(f['params'] + f['optimizer'] + f['frozen'] + f['rest'] + f['batch']) / GB:.2f})",
              f"  temporaries       {f['temp'] / GB:9.2f}  (gradients, activations, gathered weights)",
              f"  outputs (donated) {f['output'] / GB:9.2f}  aliased {f['alias'] / GB:.2f}",
              f"  peak              {f['peak'] / GB:9.2f}  of {hbm_gb:.0f} GB HBM -> "
@@ -267,7 +275,7 @@ def _report(cfg, n, hbm_gb, res) -> str:
         per_layer = {k: (f[k] - sm[k]) / max(L - res["small_layers"], 1) for k in ("params", "optimizer", "temp")}
         lines.append(f"check: {res['small_layers']}-layer config compiled on the same mesh: args "
                      f"{sm['argument'] / GB:.3f} GB (sharding-derived "
-                     f"{(sm['params'] + sm['optimizer'] + sm['rest'] + sm['batch']) / GB:.3f}), temporaries "
+                     f"{(sm['params'] + sm['optimizer'] + sm['frozen'] + sm['rest'] + sm['batch']) / GB:.3f}), temporaries "
                      f"{sm['temp'] / GB:.2f} GB, peak {sm['peak'] / GB:.2f} GB; per extra layer: params "
                      f"{per_layer['params'] / GB:.3f}, optimizer {per_layer['optimizer'] / GB:.3f}, "
                      f"temporaries {per_layer['temp'] / GB:.3f} GB")
