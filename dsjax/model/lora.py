@@ -284,6 +284,15 @@ def match_patterns(params: dict, patterns, where: str) -> set[tuple[str, ...]]:
     return hit
 
 
+def trained_base_paths(lc: LoraConfig, params: dict) -> set[tuple[str, ...]]:
+    """Paths of the base (non-adapter) leaves that a LoRA run (lc.rank > 0) trains in full: those
+    lora.modules_to_save names, less those lora.freeze names. Raises ValueError like
+    `match_patterns` for a pattern of either list that matches nothing."""
+    frozen = match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
+    saved = match_patterns(params, lc.modules_to_save, "lora.modules_to_save") if lc.modules_to_save else set()
+    return saved - frozen
+
+
 # ----------------------------------------------------------------------------- train-step hooks
 
 def with_frozen(loss_fn):
