@@ -190,7 +190,8 @@ class TrainConfig:
     progress: bool = True
     tensorboard: bool = True
     peak_tflops: Optional[float] = None  # per device; default from the device kind
-    init_from_hf: Optional[str] = None
+    # base weights of a new run (not read on resume: the run's checkpoints hold every weight)
+    init_from_hf: Optional[str] = None  # an HF directory
     init_from: Optional[str] = None  # a dsjax run directory: start from its newest checkpoint's weights
 
 

@@ -10,10 +10,15 @@ also vLLM's DeepSeek LoRA layout): base_model.model.model.layers.{n}.mlp.experts
 gate_proj.lora_A.weight [r, D] and ...lora_B.weight [F, r]. transformers 5 fuses the experts
 into 3-D parameters, which PEFT reaches only through `target_parameters` with its own fused
 layout; this file does not use that layout.
+Weights trained in full (lora.modules_to_save) are written as PEFT's `save_pretrained` writes
+a `modules_to_save` module's trained copy: under the module's plain HF key,
+  base_model.model.lm_head.weight   [V, D]
+(PEFT drops the in-memory `modules_to_save.default.` infix on save and puts it back on load),
+and their HF module names are listed in the config's `modules_to_save`. A module that is both
+targeted and trained in full is written as its merged weight W + B A alpha / r without an
+adapter, since PEFT never puts a LoRA layer on a `modules_to_save` module.
 `target_modules` in the config is a regular expression (PEFT matches a string by full match)
-naming exactly the modules that have adapters, so PEFT builds no others. Weights trained in full
-(lora.modules_to_save, or unfrozen base weights) are not in this file: export the merged model
-(`dsjax.convert --to-hf`) for them.
+naming exactly the modules that have adapters, so PEFT builds no others.
 """
 from __future__ import annotations
 
@@ -27,30 +32,38 @@ from safetensors.numpy import save_file
 
 from dsjax.config import LoraConfig, ModelConfig
 from dsjax.hf import mapping as M
-from dsjax.model.lora import split_adapters
+from dsjax.model.lora import split_adapters, trained_base_paths
 
 PREFIX = "base_model.model."
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
 
 
-def adapter_tensors(model_cfg: ModelConfig, params: dict, rest: dict) -> dict[str, tuple]:
-    """{HF module name (e.g. `model.layers.3.mlp.experts.5.up_proj`): (A [r, in], B [out, r])}
-    as float32 numpy arrays, for every adapter in the full params tree `params`."""
+def adapter_tensors(model_cfg: ModelConfig, lcfg: LoraConfig, params: dict,
+                    rest: dict) -> tuple[dict[str, tuple], dict[str, np.ndarray]]:
+    """The PEFT view of the full params tree `params` of a LoRA run, as float32 numpy arrays:
+    ({HF module name (e.g. `model.layers.3.mlp.experts.5.up_proj`): (A [r, in], B [out, r])} for
+    every adapter, {HF weight key (e.g. `lm_head.weight`): weight in HF layout} for every base
+    weight that trains in full (`trained_base_paths`), its adapter folded in if it has one)."""
     base, ads = split_adapters(params)
-    out = {}
+    full = trained_base_paths(lcfg, params)
+    scale = float(lcfg.alpha) / lcfg.rank
+    pairs, saved = {}, {}
     for e in M.entries(model_cfg, base, rest):
         if e.tree != "params" or not e.hf.endswith(".weight"):
             continue
         if e.path[-1] == "kernel":
             ad = M.get_path(ads, e.path[:-1] + ("lora",))
-        else:  # a routed-expert weight [.., E, in, out]
+        else:  # a routed-expert weight [.., E, in, out], or a norm (never adapted)
             ad = M.get_path(ads, e.path[:-1] + ("experts", e.path[-1]))
-        if ad is None:
-            continue
-        a = np.asarray(ad["lora_A"][e.index] if e.index else ad["lora_A"], np.float32)
-        b = np.asarray(ad["lora_B"][e.index] if e.index else ad["lora_B"], np.float32)
-        out[e.hf[:-len(".weight")]] = (a.T, b.T)
-    return out
+        pick = lambda x: np.asarray(x[e.index] if e.index else x, np.float32)  # noqa: E731
+        if e.path in full:
+            w = pick(M.get_path(base, e.path))
+            if ad is not None:
+                w = w + pick(ad["lora_A"]) @ pick(ad["lora_B"]) * np.float32(scale)
+            saved[e.hf] = w.T if e.op == M.T else w
+        elif ad is not None:
+            pairs[e.hf[:-len(".weight")]] = (pick(ad["lora_A"]).T, pick(ad["lora_B"]).T)
+    return pairs, saved
 
 
 def module_pattern(name: str) -> str:
@@ -68,7 +81,7 @@ def save_adapters(out_dir: str | Path, model_cfg: ModelConfig, lcfg: LoraConfig,
     """
     if dtype not in NP_DTYPES:
         raise ValueError(f"adapters: dtype must be one of {', '.join(NP_DTYPES)}, got {dtype!r}")
-    tensors = adapter_tensors(model_cfg, params, rest)
+    tensors, saved = adapter_tensors(model_cfg, lcfg, params, rest)
     if not tensors:
         raise ValueError("adapters: the checkpoint has no LoRA adapters (lora.rank is 0)")
     out = Path(out_dir)
@@ -77,6 +90,8 @@ def save_adapters(out_dir: str | Path, model_cfg: ModelConfig, lcfg: LoraConfig,
     for name, (a, b) in tensors.items():
         flat[f"{PREFIX}{name}.lora_A.weight"] = np.ascontiguousarray(a.astype(NP_DTYPES[dtype]))
         flat[f"{PREFIX}{name}.lora_B.weight"] = np.ascontiguousarray(b.astype(NP_DTYPES[dtype]))
+    for key, w in saved.items():
+        flat[f"{PREFIX}{key}"] = np.ascontiguousarray(w.astype(NP_DTYPES[dtype]))
     save_file(flat, str(out / "adapter_model.safetensors"), metadata={"format": "pt"})
     pats = sorted({module_pattern(n) for n in tensors})
     config = {
@@ -91,7 +106,7 @@ def save_adapters(out_dir: str | Path, model_cfg: ModelConfig, lcfg: LoraConfig,
         "fan_in_fan_out": False,
         "use_rslora": False,
         "init_lora_weights": True,
-        "modules_to_save": None,
+        "modules_to_save": sorted({k[:-len(".weight")] for k in saved}) or None,
         "inference_mode": True,
     }
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -16,8 +16,10 @@ same group sizes (`pallas_kernels.moe.grouped_lora_delta`), never as a per-exper
 
 Dropout (PEFT's `lora_dropout`, on the adapter's input only) is active while a `dropout_rng`
 context is: the train step opens one per micro-batch with a key derived from the step. Each
-adapter call during tracing folds a fresh counter into that key; under `model.scan_layers` the
-layers of one stack share their masks (the scan body is traced once).
+adapter call during tracing folds a fresh counter into the active key. A layer stack takes one
+key from the counter and runs layer i under `layer_dropout(key, i)`, i.e. with
+fold_in(key, i) and a counter from 0, so every layer draws its own masks, and the same ones
+whether the stack is scanned (`model.scan_layers`, i a traced index) or unrolled.
 """
 from __future__ import annotations
 
@@ -70,6 +72,17 @@ def dropout_key_data():
     key = jax.random.fold_in(st[0], st[1])
     st[1] += 1
     return key
+
+
+@contextlib.contextmanager
+def layer_dropout(stack_key, i):
+    """Dropout of layer `i` (int or traced int32 scalar) of a stack whose key `stack_key` came from
+    `dropout_key_data()`: active with key fold_in(stack_key, i); nothing when stack_key is None."""
+    if stack_key is None:
+        yield
+        return
+    with dropout_rng(jax.random.fold_in(stack_key, i)):
+        yield
 
 
 # ----------------------------------------------------------------------------- modules
@@ -282,6 +295,15 @@ def match_patterns(params: dict, patterns, where: str) -> set[tuple[str, ...]]:
                              f"lm_head, dense_layers, moe_layers.mlp.shared_experts, *.self_attn.*)")
         hit |= found
     return hit
+
+
+def trained_base_paths(lc: LoraConfig, params: dict) -> set[tuple[str, ...]]:
+    """Paths of the base (non-adapter) leaves that a LoRA run (lc.rank > 0) trains in full: those
+    lora.modules_to_save names, less those lora.freeze names. Raises ValueError like
+    `match_patterns` for a pattern of either list that matches nothing."""
+    frozen = match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
+    saved = match_patterns(params, lc.modules_to_save, "lora.modules_to_save") if lc.modules_to_save else set()
+    return saved - frozen
 
 
 # ----------------------------------------------------------------------------- train-step hooks

@@ -14,6 +14,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.decoder import DecoderLayer
 from dsjax.model.layers import Linear, RMSNorm, dtype_of
+from dsjax.model.lora import dropout_key_data, layer_dropout
 from dsjax.model.mtp import MTP
 from dsjax.model.rope import inv_freq_and_attention_factor, rope_cos_sin, softmax_scale
 from pallas_kernels.flash_attention.reference import attention_reference
@@ -122,22 +123,26 @@ class DeepSeekModel(nnx.Module):
     # -- training / scoring --------------------------------------------------------------------
     def _run_stack(self, stack, h, cos, sin, segment_ids):
         graphdef, state = nnx.split(stack)
+        drop_key = dropout_key_data()  # LoRA dropout: layer i draws from fold_in(drop_key, i)
 
-        def body(carry, layer_state):
+        def body(carry, xs):
+            layer_state, i = xs
             layer = nnx.merge(graphdef, layer_state)
-            out, stats = layer(carry, cos, sin, segment_ids, self.scale)
+            with layer_dropout(drop_key, i):
+                out, stats = layer(carry, cos, sin, segment_ids, self.scale)
             return out, stats
 
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=REMAT_POLICIES[self.cfg.remat])
+        n = jax.tree.leaves(state)[0].shape[0]
         if self.cfg.scan_layers:
-            return jax.lax.scan(body, h, state)
+            return jax.lax.scan(body, h, (state, jnp.arange(n, dtype=jnp.int32)))
         # unrolled: each stacked leaf is split once (`split_layers`), so its gradient is one
         # materialised concatenate of the layers' gradients
         leaves, treedef = jax.tree.flatten(state)
         stats = []
-        for layer_leaves in zip(*(split_layers(x) for x in leaves)):
-            h, st = body(h, jax.tree.unflatten(treedef, layer_leaves))
+        for i, layer_leaves in enumerate(zip(*(split_layers(x) for x in leaves))):
+            h, st = body(h, (jax.tree.unflatten(treedef, layer_leaves), jnp.int32(i)))
             stats.append(st)
         return h, jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
 

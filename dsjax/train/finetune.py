@@ -22,7 +22,7 @@ from dsjax.config import Config
 from dsjax.model import DeepSeekModel, ModelFns
 from dsjax.model.layers import dtype_of
 from dsjax.model.lora import (attach_adapters, is_adapter_path, join, match_patterns, path_names,
-                              split_adapters)
+                              split_adapters, trained_base_paths)
 
 FP32_FROZEN = ("gate",)  # routed in fp32: kept fp32 when frozen
 
@@ -61,13 +61,11 @@ def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
     Raises ValueError (one line, naming the field) for a lora.freeze / modules_to_save pattern
     that matches no parameter."""
     lc = cfg.lora
-    leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    frozen = match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
     if lc.rank > 0:
-        saved = (match_patterns(params, lc.modules_to_save, "lora.modules_to_save")
-                 if lc.modules_to_save else set())
-        frozen |= {p for p in leaves if not is_adapter_path(p) and p not in saved}
-    return frozen
+        leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        saved = trained_base_paths(lc, params)
+        return {p for p in leaves if not is_adapter_path(p) and p not in saved}
+    return match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
 
 
 def _select(tree: dict, paths: set, keep: bool, prefix=()) -> dict:

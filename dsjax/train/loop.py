@@ -305,7 +305,9 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     tok, train_loader, val_loader = build_data(cfg, run_tok if latest is not None and run_tok.is_file() else None)
 
     fns, params, rest = init_model(cfg)
-    if tc.init_from_hf or tc.init_from:  # base weights from a checkpoint; adapters stay fresh
+    # base weights from a checkpoint, adapters fresh; not on resume: the run's own checkpoint
+    # holds every weight (trainable in `params`, frozen in `frozen`), so the base may be gone
+    if (tc.init_from_hf or tc.init_from) and latest is None:
         base, adapters = finetune.base_and_adapters(params)
         if tc.init_from_hf:
             base, rest = load_hf_params(tc.init_from_hf, cfg.model, base, rest)

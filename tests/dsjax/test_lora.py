@@ -3,6 +3,7 @@ adapter model equals its merged weights, grouped-GEMM expert LoRA equals a per-e
 reference (forward and gradients), adapter gradients follow the chain rule through the merged
 weight, only trainable leaves reach the optimizer while frozen leaves (compute dtype) stay
 bitwise unchanged, and accumulation with LoRA equals the larger batch."""
+import dataclasses
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import pytest
 
 from dsjax import config as C
 from dsjax.model import abstract_model
+from dsjax.model import lora as lora_mod
 from dsjax.model.lora import expert_matmul, merged_params, split_adapters
 from dsjax.train import finetune, runs
 from dsjax.train.optim import build_optimizer
@@ -190,6 +192,36 @@ def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weight():
         assert rel(dB, jnp.einsum("...ir,...io->...ro", A, dW) * s) < 1e-4, wp
 
 
+def test_dropout_masks_per_layer_same_scanned_and_unrolled():
+    """lora.dropout=0.5 on stacks of 2 layers: the scanned stack (model.scan_layers) draws each
+    layer's own masks, the same as the unrolled stack, so the adapter gradients agree; dropout is
+    really on (they differ from those without it)."""
+    sets = LORA + ["model.num_hidden_layers=4", "model.first_k_dense_replace=2"]
+    bt = batch_of(cfg_of(*sets))
+    toks = jnp.asarray(bt["inputs"])
+    cot = jnp.asarray(np.random.default_rng(4).normal(size=(4, 16, 128)), jnp.float32)
+    out = {}
+    for scan, rate in ((False, 0.5), (True, 0.5), (True, 0.0)):
+        cfg = cfg_of(*sets, f"model.scan_layers={str(scan).lower()}", f"lora.dropout={rate}")
+        fns, params, rest = finetune.init_model(cfg)
+        params = randomize_b(params)
+        key = lora_mod.dropout_keys(dataclasses.replace(cfg.lora, dropout=0.5), 0, 3, 1)[0]
+
+        def loss(p, key=key, fns=fns, rest=rest):
+            with lora_mod.dropout_rng(key):
+                return jnp.sum(fns.merge(p, rest)(toks)[0] * cot)
+        out[scan, rate] = params, jax.jit(jax.grad(loss))(params)
+    (p_u, g_u), (p_s, g_s), (_, g_0) = out[False, 0.5], out[True, 0.5], out[True, 0.0]
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(p_u), jax.tree.leaves(p_s)))
+    _, ad_u = split_adapters(g_u)
+    _, ad_s = split_adapters(g_s)
+    _, ad_0 = split_adapters(g_0)
+    for (path, a), b, c in zip(jax.tree_util.tree_flatten_with_path(ad_u)[0], jax.tree.leaves(ad_s), jax.tree.leaves(ad_0)):
+        assert float(jnp.max(jnp.abs(a))) > 0, path
+        assert rel(b, a) < 1e-5, path
+        assert rel(c, a) > 1e-2, path
+
+
 def _mu_paths(opt):
     mu = [x.mu for x in jax.tree.leaves(opt, is_leaf=lambda x: hasattr(x, "mu")) if hasattr(x, "mu")][0]
     return {tuple(str(k.key) for k in p) for p, _ in jax.tree_util.tree_flatten_with_path(mu)[0]}
@@ -286,3 +318,97 @@ def test_expert_lora_through_the_pallas_kernels_matches_reference():
     assert out.dtype == jnp.bfloat16 and rel(f32(out), out_r) < 1e-2
     for name, g, g_r in zip("xwab", grads, vjp_r(f32(cot))):
         assert g.shape == g_r.shape and rel(f32(g), g_r) < 2e-2, name
+
+
+# modules_to_save: lm_head, and the MoE layer's o_proj, which also has an adapter, beside adapters
+# on the attention projections. The MLPs have none here: PEFT 0.21 on transformers 5 DeepSeek
+# models re-targets every gate_proj / up_proj / down_proj name to the fused routed-expert
+# parameters (`_convert_peft_config_moe`), so it would drop the dense and shared-expert adapters.
+SAVE = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
+        "kv_b_proj, o_proj]", "lora.modules_to_save=[lm_head, moe_layers.self_attn.o_proj]"]
+SAVED_O = "model.layers.1.self_attn.o_proj"
+
+
+def _trained_with_saved_modules(tmp_path):
+    """A 'trained' LoRA run of SAVE (random B, lm_head and the MoE layer's o_proj moved off their
+    init) and its base weights; writes base/ (HF, the base run), merged/ (`--to-hf`'s merged
+    export) and adapter/ (`save_adapters`) under tmp_path."""
+    from dsjax.hf import save_hf
+    from dsjax.hf.adapters import save_adapters
+    cfg = cfg_of(*SAVE)
+    fns, params, rest = finetune.init_model(cfg)
+    base0 = split_adapters(params)[0]
+    params = randomize_b(params)
+    k1, k2 = jax.random.split(jax.random.key(11))
+    params["lm_head"]["kernel"] = params["lm_head"]["kernel"] + 0.5 * jax.random.normal(k1, params["lm_head"]["kernel"].shape)
+    sd = params["moe_layers"]["self_attn"]["o_proj"]
+    sd["kernel"] = sd["kernel"] + 0.5 * jax.random.normal(k2, sd["kernel"].shape)
+    save_hf(tmp_path / "base", cfg.model, base0, rest, dtype="float32")
+    save_hf(tmp_path / "merged", cfg.model, merged_params(params, cfg.lora), rest, dtype="float32")
+    save_adapters(tmp_path / "adapter", cfg.model, cfg.lora, params, rest, dtype="float32")
+    return cfg, fns, params, rest
+
+
+def test_adapter_file_carries_modules_to_save_as_peft_names_them(tmp_path):
+    """PEFT's save_pretrained writes a modules_to_save module's trained copy under its plain key
+    (`base_model.model.lm_head.weight`): ours holds the merged export's weight there, the MoE
+    layer's o_proj with its adapter folded in (and no adapter of its own), and lists both modules."""
+    import json
+    from safetensors.numpy import load_file
+    cfg, _, params, _ = _trained_with_saved_modules(tmp_path)
+    ad = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    merged = {}
+    for f in (tmp_path / "merged").glob("*.safetensors"):
+        merged.update(load_file(str(f)))
+    assert conf["modules_to_save"] == ["lm_head", SAVED_O]
+    head, o = ad["base_model.model.lm_head.weight"], ad[f"base_model.model.{SAVED_O}.weight"]
+    np.testing.assert_array_equal(head, np.asarray(params["lm_head"]["kernel"]).T)
+    np.testing.assert_array_equal(head, merged["lm_head.weight"])
+    assert rel(o, merged[f"{SAVED_O}.weight"]) < 1e-6
+    assert rel(o, np.asarray(params["moe_layers"]["self_attn"]["o_proj"]["kernel"][0]).T) > 1e-2  # adapter folded in
+    assert f"base_model.model.{SAVED_O}.lora_A.weight" not in ad
+    assert "base_model.model.model.layers.0.self_attn.o_proj.lora_A.weight" in ad
+    assert not any("embed_tokens" in k or "mlp" in k for k in ad)  # frozen, untargeted: not saved
+    assert len(ad) == 2 * (2 * 5 - 1) + 2
+
+
+def _peft(tmp_path_factory):
+    """peft, importable as installed or from the repository's .whl/ (peft + accelerate wheels,
+    installed without dependencies into a temporary folder); None when neither is there."""
+    try:
+        import peft
+        return peft
+    except ImportError:
+        pass
+    wheels = sorted((ROOT / ".whl").glob("peft-*.whl")) + sorted((ROOT / ".whl").glob("accelerate-*.whl"))
+    if len(wheels) < 2:
+        return None
+    target = tmp_path_factory.mktemp("peftlib")
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target),
+                    *map(str, wheels)], check=True, capture_output=True)
+    sys.path.insert(0, str(target))
+    import peft
+    return peft
+
+
+def test_peft_loads_our_adapter_file_with_modules_to_save(tmp_path, tmp_path_factory):
+    """HF transformers + PEFT (`PeftModel.from_pretrained` on the base model) reproduce the
+    logits of our LoRA model whose lm_head and one o_proj (adapter included) trained in full."""
+    peft = _peft(tmp_path_factory)
+    if peft is None:
+        pytest.skip("peft is not installed and .whl/ holds no peft + accelerate wheels")
+    import torch
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hf_parity as P
+    cfg, fns, params, rest = _trained_with_saved_modules(tmp_path)
+    toks = np.random.default_rng(2).integers(2, cfg.model.vocab_size, (2, 16))
+    ours = np.asarray(fns.merge(params, rest)(jnp.asarray(toks, jnp.int32))[0])
+    with torch.no_grad():
+        base = P.load_eager(tmp_path / "base")
+        t = torch.as_tensor(toks, dtype=torch.long)
+        plain = base(t).logits.float().numpy()
+        model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()
+        theirs = model(t).logits.float().numpy()
+    assert rel(plain, ours) > 1e-2  # the adapters and the saved modules matter
+    assert rel(theirs, ours) < 1e-5

@@ -1,6 +1,6 @@
 """A LoRA fine-tuning run end to end on chat data from the standard library's docstrings:
 train.init_from a base run (frozen weights bitwise the base's), resume bitwise (with adapter
-dropout), `--to-hf` merged export that transformers reproduces, PEFT adapter files, and a chat
+dropout) without the base run, `--to-hf` merged export that transformers reproduces, PEFT adapter files, and a chat
 answer through the run's template."""
 import dataclasses
 import json
@@ -93,10 +93,12 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     assert recs[-1]["grad_norm/adapters"] > 0 and "grad_norm/adapters/routed_experts" in recs[-1]
     assert "grad_norm/embed" not in recs[-1]  # nothing of the base trains
 
-    # resume: the same run interrupted after step 2 continues bitwise (dropout keys included)
+    # resume: the same run interrupted after step 2 continues bitwise (dropout keys included),
+    # without its train.init_from base run (moved away): the checkpoint holds the frozen weights
     b_dir = tmp_path / "b"
     (b_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "checkpoints" / "2", b_dir / "checkpoints" / "2")
+    base.rename(tmp_path / "base_moved")
     loop.train(cfg_for(qa, b_dir, *lora), resume=True)
     la = {r["step"]: r["loss"] for r in recs}
     lb = {r["step"]: r["loss"] for r in metrics(b_dir) if "loss" in r}

@@ -46,9 +46,11 @@ def test_layout_matches_one_device(baseline, name):
 
 
 # LoRA (rank 4, all-linear + lm_head, base frozen) under the two presets that together shard over
-# every axis: ZeRO-3, tensor and expert parallelism ("all"), and ring attention with experts
+# every axis: ZeRO-3, tensor and expert parallelism ("all"), and ring attention with experts; and
+# under plain data parallelism ("dp": every weight and adapter replicated, the batch split)
 LORA = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[all-linear, lm_head]"]
 LORA_LAYOUTS = {
+    "dp: data=8": ["mesh.preset=dp", "mesh.fsdp=1", "mesh.data=8"],
     "all: fsdp=2 x tensor=2 x expert=2": ["mesh.preset=all", "mesh.fsdp=2", "mesh.tensor=2", "mesh.expert=2"],
     "fsdp_ep_cp: expert=2 x context=4": ["mesh.preset=fsdp_ep_cp", "mesh.fsdp=1", "mesh.expert=2",
                                          "mesh.context=4"],
