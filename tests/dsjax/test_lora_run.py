@@ -25,15 +25,12 @@ from dsjax.train.optim import build_optimizer
 
 import torch  # noqa: E402,F401  the test extra: missing torch/transformers fails loudly
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import hf_parity as P  # noqa: E402
+from _tiny import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ["model.vocab_size=320", "model.hidden_size=32", "model.intermediate_size=32",
-         "model.moe_intermediate_size=16", "model.num_hidden_layers=3", "model.num_attention_heads=2",
-         "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-         "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.n_routed_experts=4",
-         "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
-         "model.first_k_dense_replace=1", "model.attention_impl=reference", "model.moe_impl=reference"]
+MODEL = tiny_model(vocab=320, layers=3, heads=2, experts=4)
 
 
 @pytest.fixture(scope="module")
