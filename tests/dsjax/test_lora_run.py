@@ -106,7 +106,8 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     out = convert.to_hf(a.train.run_dir, tmp_path / "hf", dtype="float32")
     toks = jnp.asarray(np.random.default_rng(0).integers(2, 300, (2, 48)), jnp.int32)
     fns, _, _ = finetune.abstract_model(ca)
-    ours = np.asarray(fns.merge(pa, ra)(toks)[0])  # the LoRA model (adapter GEMMs, no merge)
+    # the LoRA model (adapter GEMMs, no merge), jitted: one compile instead of its eager ops' many
+    ours = np.asarray(jax.jit(lambda p, r, t: fns.merge(p, r)(t)[0])(pa, ra, toks))
     model, _, _, _ = G.load_run(a.train.run_dir)  # generation's merged model
     np.testing.assert_allclose(np.asarray(model(toks)[0]), ours, rtol=0, atol=1e-5 * np.abs(ours).max())
     hf = P.load_eager(out)
