@@ -55,7 +55,8 @@ def test_cli_generates_from_a_run(tmp_path, monkeypatch, capsys):
     cfg = C.load(ROOT / "configs" / "tiny.yaml", [
         f"data.train=[{corpus}/*.py]", f"data.cache_dir={tmp_path}/cache", "data.seq_len=32",
         "data.batch_size=4", "model.vocab_size=300", "model.num_hidden_layers=2",
-        f"train.run_dir={tmp_path}/run", "train.steps=2", "train.progress=false", "train.eval_every=100"])
+        f"train.run_dir={tmp_path}/run", "train.steps=2", "train.progress=false", "train.eval_every=100",
+        "optim.decay_steps=12"])  # the schedule of test_reliability.py's runs: one train step program
     loop.train(cfg)
     capsys.readouterr()  # drop the training messages
     monkeypatch.setattr(sys, "argv", ["dsjax.generate", "--checkpoint", str(tmp_path / "run"),

@@ -25,15 +25,12 @@ from dsjax.train.optim import build_optimizer
 
 import torch  # noqa: E402,F401  the test extra: missing torch/transformers fails loudly
 sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))
 import hf_parity as P  # noqa: E402
+from _tiny import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
-MODEL = ["model.vocab_size=320", "model.hidden_size=32", "model.intermediate_size=32",
-         "model.moe_intermediate_size=16", "model.num_hidden_layers=3", "model.num_attention_heads=2",
-         "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-         "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.n_routed_experts=4",
-         "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
-         "model.first_k_dense_replace=1", "model.attention_impl=reference", "model.moe_impl=reference"]
+MODEL = tiny_model(vocab=320, layers=3, heads=2, experts=4)
 
 
 @pytest.fixture(scope="module")
@@ -111,7 +108,8 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     out = convert.to_hf(a.train.run_dir, tmp_path / "hf", dtype="float32")
     toks = jnp.asarray(np.random.default_rng(0).integers(2, 300, (2, 48)), jnp.int32)
     fns, _, _ = finetune.abstract_model(ca)
-    ours = np.asarray(fns.merge(pa, ra)(toks)[0])  # the LoRA model (adapter GEMMs, no merge)
+    # the LoRA model (adapter GEMMs, no merge), jitted: one compile instead of its eager ops' many
+    ours = np.asarray(jax.jit(lambda p, r, t: fns.merge(p, r)(t)[0])(pa, ra, toks))
     model, _, _, _ = G.load_run(a.train.run_dir)  # generation's merged model
     np.testing.assert_allclose(np.asarray(model(toks)[0]), ours, rtol=0, atol=1e-5 * np.abs(ours).max())
     hf = P.load_eager(out)

@@ -1,4 +1,5 @@
 """Shared tiny config, synthetic packed batches and a runner for the layout-equality tests."""
+import sys
 from pathlib import Path
 
 import jax
@@ -9,15 +10,12 @@ from dsjax.train import finetune, loop
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_model
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _tiny import tiny_model  # noqa: E402
+
 ROOT = Path(__file__).resolve().parents[2]
-TINY = ["model.vocab_size=128", "model.hidden_size=32", "model.intermediate_size=32",
-        "model.moe_intermediate_size=16", "model.num_hidden_layers=2", "model.num_attention_heads=4",
-        "model.q_lora_rank=16", "model.kv_lora_rank=16", "model.qk_nope_head_dim=8",
-        "model.qk_rope_head_dim=8", "model.v_head_dim=8", "model.n_routed_experts=8",
-        "model.num_experts_per_tok=2", "model.n_group=2", "model.topk_group=1",
-        "model.first_k_dense_replace=1", "model.attention_impl=reference", "model.moe_impl=reference",
-        "data.seq_len=16", "data.batch_size=8", "optim.warmup_steps=0", "optim.learning_rate=1e-3",
-        "train.steps=3"]
+TINY = tiny_model(vocab=128, layers=2, heads=4, experts=8) + [
+    "data.seq_len=16", "data.batch_size=8", "optim.warmup_steps=0", "optim.learning_rate=1e-3", "train.steps=3"]
 
 
 def tiny_cfg(*mesh_sets):
