@@ -1,7 +1,7 @@
 """Question/answer conversations from the Python standard library's docstrings, for the CPU
 fine-tuning demo (`configs/tiny_sft.yaml`).
 
-  python -m dsjax.data.stdlib_qa --out data/stdlib_qa --tokenizer runs/tiny/tokenizer.json
+  python -m dsjax.data.stdlib_qa --out runs/stdlib_qa --tokenizer runs/tiny/tokenizer.json
 
 For every public function, class and method with a docstring in `MODULES` of the running
 interpreter: user "What does `json.dumps` do?" -> assistant: the docstring's first paragraph
