@@ -25,7 +25,11 @@ def run_main(prog: str, fn) -> None:
     """Run fn(); turn user errors into one line on stderr and exit status 2, and faults that
     stop a running job (`RunStopped`: a failed checkpoint write, non-finite training) into one
     line and exit status 1."""
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    fmt = logging.Formatter("%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    logging.basicConfig(level=logging.WARNING)
+    for h in logging.getLogger().handlers:  # also the one an import-time library log call installed
+        if type(h) is logging.StreamHandler:
+            h.setFormatter(fmt)
     logging.getLogger("dsjax").setLevel(logging.INFO)
     # orbax logs every checkpoint step through absl at INFO, and jax warns about absent TPU
     # backends on CPU machines: keep the console to our progress bar and messages.

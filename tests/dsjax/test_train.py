@@ -273,3 +273,19 @@ def test_sigterm_saves_and_resume_continues(corpus, tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     losses, _ = read_metrics(run)
     assert max(losses) == saved + 2
+
+
+def test_cli_log_lines_have_one_format():
+    """Log lines of dsjax loggers under `run_main` read 'HH:MM:SS name: message', although the
+    import of orbax installs Python's default root handler before run_main configures logging."""
+    import os
+    import re
+    import subprocess
+    code = ("import logging\nimport dsjax.train.__main__\nfrom dsjax.cli import run_main\n"
+            "run_main('dsjax.train', lambda: logging.getLogger('dsjax.train').info('resumed from step %d', 7))\n")
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert re.search(r"^\d\d:\d\d:\d\d dsjax\.train: resumed from step 7$", r.stderr, re.M), r.stderr
+    assert "INFO:dsjax" not in r.stderr
