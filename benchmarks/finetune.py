@@ -80,7 +80,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import V2_LITE  # noqa: E402
+from train_step import V2_LITE, random_batch, time_steps  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTN = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -157,11 +157,7 @@ def run_dsjax(args, row: str) -> dict:
                                          if init_mem is not None else ""))
     step = jit_train_step(cfg, fns, tx, sched, par, sh)
     B, T = args.batch, args.seq
-    toks = np.random.default_rng(0).integers(0, cfg.model.vocab_size, size=(B, T + 1)).astype(np.int32)
-    local = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
-             "segment_ids": np.ones((B, T), np.int32),
-             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))}
-    batch = global_batch(par, local, 1)
+    batch = global_batch(par, random_batch(cfg.model.vocab_size, B, T), 1)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
@@ -174,14 +170,7 @@ def run_dsjax(args, row: str) -> dict:
     state, m = compiled(state, batch)
     first_loss = float(m["loss"])
     say(f"[{row}] first step loss {first_loss:.4f}")
-    for _ in range(args.warmup - 1):
-        state, m = compiled(state, batch)
-    jax.block_until_ready(m["loss"])
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, m = compiled(state, batch)
-    jax.block_until_ready(m["loss"])
-    dt = (time.perf_counter() - t0) / args.steps
+    state, m, dt = time_steps(compiled, state, batch, args.warmup - 1, args.steps)
     stats = jax.devices()[0].memory_stats() or {}
     return {"row": row, "step_ms": dt * 1e3, "tokens_per_s": B * T / dt,
             "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None, "step_gb": step_gb,

@@ -54,11 +54,33 @@ HF_ROWS = {"hf": (False, "HF transformers eager, bf16 weights"),
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 (datasheet)
 
 
+def random_batch(vocab: int, B: int, T: int) -> dict:
+    """One packed-loader batch [B, T] of random tokens (seed 0), one document per row."""
+    import numpy as np
+    toks = np.random.default_rng(0).integers(0, vocab, size=(B, T + 1)).astype(np.int32)
+    return {"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
+            "segment_ids": np.ones((B, T), np.int32),
+            "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))}
+
+
+def time_steps(compiled, state, batch, warmup: int, steps: int):
+    """`warmup` untimed steps, then the mean wall time of `steps` steps (seconds; dispatch is
+    asynchronous, so only the end is synchronised). Returns (state, last metrics, seconds)."""
+    import jax
+    for _ in range(warmup):
+        state, _ = compiled(state, batch)
+    jax.block_until_ready(state)
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        state, m = compiled(state, batch)
+    jax.block_until_ready(m["loss"])
+    return state, m, (time.perf_counter() - t0) / steps
+
+
 # -- dsjax -----------------------------------------------------------------------------------
 def run_dsjax(args, row: str) -> dict:
     """One dsjax row: the train step as `dsjax.train.loop` builds it, timed over args.steps."""
     import jax
-    import numpy as np
 
     from dsjax import config as C
     from dsjax.train.loop import create_state, global_batch, jit_train_step, setup_parallel
@@ -77,25 +99,13 @@ def run_dsjax(args, row: str) -> dict:
     del params, rest
     step = jit_train_step(cfg, fns, tx, sched, par, sh)
     B, T = cfg.data.batch_size, args.seq
-    rng = np.random.default_rng(0)
-    toks = rng.integers(0, cfg.model.vocab_size, size=(B, T + 1)).astype(np.int32)
-    local = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "loss_mask": np.ones((B, T), np.float32),
-             "segment_ids": np.ones((B, T), np.int32),
-             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T))}
-    batch = global_batch(par, local, 1)
+    batch = global_batch(par, random_batch(cfg.model.vocab_size, B, T), 1)
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     state, m = compiled(state, batch)
     first_loss = float(m["loss"])
-    for _ in range(2):
-        state, m = compiled(state, batch)
-    jax.block_until_ready(m["loss"])
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        state, m = compiled(state, batch)
-    jax.block_until_ready(m["loss"])
-    dt = (time.perf_counter() - t0) / args.steps
+    state, m, dt = time_steps(compiled, state, batch, 2, args.steps)
     stats = jax.devices()[0].memory_stats() or {}
     out = {"row": f"dsjax {row}", "devices": n_dev, "step_ms": dt * 1e3,
            "tokens_per_s": B * T / dt / n_dev, "flops_per_token": flops_per_token(cfg.model, T),
