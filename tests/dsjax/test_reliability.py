@@ -22,6 +22,7 @@ from orbax.checkpoint._src.path import async_path
 
 import dsjax  # noqa: F401
 from dsjax import config as C
+from dsjax.config import checks, schema
 from dsjax.checkpoint import CHECKSUMS, Checkpointer, CheckpointError, abstract_like
 from dsjax.cli import run_main
 from dsjax.data import stdlib_files
@@ -310,7 +311,7 @@ def test_damaged_checkpoint_named_and_fallback_only_on_request(corpus, finished_
 
 def test_every_numeric_field_has_a_range():
     mesh = {f"mesh.{a}" for a in ("data", "fsdp", "expert", "tensor", "context", "devices")}
-    assert set(C.numeric_fields()) - mesh == set(C._RANGES)
+    assert set(C.numeric_fields()) - mesh == set(checks._RANGES)
 
 
 @pytest.mark.parametrize("override, needle", [
@@ -391,7 +392,7 @@ def _bad_values(key: str, interval: str, is_int: bool) -> list[str]:
 def field_type(key: str):
     cls = C.Config
     for part in key.split("."):
-        tp, _ = C._strip_optional(typing.get_type_hints(cls)[part])
+        tp, _ = schema._strip_optional(typing.get_type_hints(cls)[part])
         cls = tp
     return tp
 
@@ -402,7 +403,7 @@ def malformed_cases(seed: int = 0) -> list[tuple[str, list[str], str | bytes | N
     hints = {f"{sec}.{f.name}" for sec in ("model", "optim", "data", "train", "checkpoint", "distributed")
              for f in dataclasses.fields(getattr(C.Config(), sec))}
     cases = []
-    for key, interval in sorted(C._RANGES.items()):
+    for key, interval in sorted(checks._RANGES.items()):
         is_int = field_type(key) is int
         if key.startswith("model.rope_scaling."):
             sub = key.split(".")[-1]
@@ -411,7 +412,7 @@ def malformed_cases(seed: int = 0) -> list[tuple[str, list[str], str | bytes | N
             continue
         for v in _bad_values(key, interval, is_int):
             cases.append((key, [f"{key}={v}"], None))
-    for key in sorted(C._CHOICES):
+    for key in sorted(checks._CHOICES):
         if not key.startswith("model.rope_scaling"):
             cases.append((key, [f"{key}=bogus_{rng.randrange(1000)}"], None))
     valid = sorted(hints)
@@ -475,7 +476,7 @@ def test_fuzz_malformed_configs_fail_in_one_line(tmp_path):
         else:
             pytest.fail(f"accepted: {name} {overrides} {text!r}")
         assert msg.startswith("config: ") and "\n" not in msg, (name, overrides, msg)
-        if name in C._RANGES or name in C._CHOICES:
+        if name in checks._RANGES or name in checks._CHOICES:
             assert name.split(".")[-1] in msg, (name, overrides, msg)
         if text is not None and name not in ("unknown section", "section list", "nan in yaml",
                                               "bool as int", "negative warmup"):
