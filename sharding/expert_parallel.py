@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import grouped_lora_delta, grouped_matmul, permute, unpermute
+from pallas_kernels.moe import grouped_lora_delta, grouped_matmul, lora_dropout, permute, unpermute
 
 EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
@@ -47,13 +47,6 @@ def default_chunk_tokens(m: int, k: int, d: int, itemsize: int,
         if m % c == 0 and c * k * d * itemsize <= chunk_bytes:
             best = c
     return best
-
-
-def _dropout(x, rate, key):
-    if key is None or rate <= 0:
-        return x
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
 
 
 def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, impl, dtype, lora=None):
@@ -79,7 +72,7 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
         if key is not None:  # a different mask on every expert rank
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         keys = [None if key is None else jax.random.fold_in(key, i) for i in range(3)]
-        xd = _dropout(xs, lora["rate"], keys[0])
+        xd = lora_dropout(xs, lora["rate"], keys[0])
         if pg is not None:
             g = g + grouped_lora_delta(xd, pg[0], pg[1], gs, scale=s, impl=impl)
         if pu is not None:
@@ -87,7 +80,8 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
     h = jax.nn.silu(g) * u
     y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
     if lora is not None and pd is not None:
-        y = y + grouped_lora_delta(_dropout(h, lora["rate"], keys[2]), pd[0], pd[1], gs, scale=s, impl=impl)
+        hd = lora_dropout(h, lora["rate"], keys[2])
+        y = y + grouped_lora_delta(hd, pd[0], pd[1], gs, scale=s, impl=impl)
     return unpermute(y, perm, w, impl=impl).astype(jnp.float32)
 
 

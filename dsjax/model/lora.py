@@ -34,7 +34,7 @@ from flax import nnx
 
 from dsjax.config import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP, LoraConfig, ModelConfig
 from dsjax.model.layers import Linear
-from pallas_kernels.moe import grouped_lora_delta, grouped_matmul
+from pallas_kernels.moe import grouped_lora_delta, grouped_matmul, lora_dropout
 
 ADAPTER_LEAVES = ("lora_A", "lora_B")
 _LOCAL = threading.local()
@@ -59,8 +59,7 @@ def _dropout(x, rate: float):
         return x
     key = jax.random.fold_in(st[0], st[1])
     st[1] += 1
-    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
-    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+    return lora_dropout(x, rate, key)
 
 
 def dropout_key_data():

@@ -28,6 +28,17 @@ def _impl_for(impl, x, w):
     return impl
 
 
+def lora_dropout(x, rate: float, key):
+    """Inverted dropout on an adapter's input: x [..., D] with each element zeroed with
+    probability `rate` (Bernoulli mask from `key`, a PRNG key) and the rest scaled by
+    1 / (1 - rate), in x.dtype (Hu et al. 2021, LoRA dropout as PEFT applies it). x itself when
+    rate <= 0 or key is None."""
+    if key is None or rate <= 0:
+        return x
+    keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+    return jnp.where(keep, x / (1.0 - rate), 0).astype(x.dtype)
+
+
 def padded_rank(x, a, b, impl):
     """The rank the adapter GEMMs run at: r rounded up to KERNEL_WIDTH when the kernels take
     both padded GEMMs for this impl and device (`api._resolve`), else r."""
