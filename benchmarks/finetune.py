@@ -96,7 +96,11 @@ ROWS = {  # name: (kind, HF / PEFT target names, dsjax-only extra targets, dsjax
 }
 DEFAULT_ROWS = "dsjax_all_dots,hf_peft,dsjax_all,dsjax_attn"
 RANK, ALPHA = 16, 32
-DSJAX_BASE = ["model.scan_layers=true", f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "lora.dropout=0.0"]
+# the optimizer as the HF row's torch AdamW(lr=1e-4) with its default weight decay 0.01: constant
+# rate, no warmup, so both rows' losses move alike over the few timed steps
+DSJAX_BASE = ["model.scan_layers=true", f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "lora.dropout=0.0",
+              "optim.learning_rate=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
+              "optim.weight_decay=0.01"]
 TINY = ["model.vocab_size=1024", "model.hidden_size=128", "model.num_attention_heads=2",
         "model.kv_lora_rank=64", "model.qk_nope_head_dim=32", "model.qk_rope_head_dim=16",
         "model.v_head_dim=32", "model.n_routed_experts=4", "model.num_experts_per_tok=2",
