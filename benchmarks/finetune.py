@@ -39,8 +39,8 @@ weights (63 GB) are never materialised beside their bf16 copies and the allocato
 step's. Every dsjax row runs with model.scan_layers=true (compile time independent of depth);
 `--set` adds config overrides to every dsjax row (e.g. --set model.remat=dots_saveable).
 
-Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01, no remat): dsjax_attn 73.6 GB,
-dsjax_all 90.7 GB. Frozen bf16 weights are 15.7 B x 2 B = 31.4 GB and the
+Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01 and 2026-12-02, no remat): dsjax_attn
+73.6 GB, dsjax_all 94.2 GB (54.8 GB as dsjax_all_dots). Frozen bf16 weights are 15.7 B x 2 B = 31.4 GB and the
 adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the rest, ~40 GB, is the
 activations of 27 scanned layers, which `model.remat` trades for recompute. `python -m dsjax.plan`
 (CPU compile of this step, 1 device; it gave 74.5 GB for dsjax_attn) plans dsjax_all at 95.7 GB
@@ -58,6 +58,12 @@ whole process; HF: `torch.cuda.max_memory_allocated`, also whole process), train
 tokens/s and peak memory as ratios to hf_peft. A row that fails (out of memory, an error) is a
 table row with its error; rows not started within --time-budget seconds are reported skipped,
 and a row still running at --time-budget + 60 s is killed.
+
+`--profile DIR` traces two more steps of every dsjax row into DIR/ROW and prints its device time
+per part of the step (attention, MoE kernels, LoRA adapters, GEMMs, optimizer, ...; as
+`train_step.py --profile`). The dsjax rows then run with XLA's command buffers off, so that each
+kernel maps to its HLO op: their timed steps are those of that setting (a GPU is needed for the
+per-part times).
 
 PEFT on the GPU machine: if `import peft` fails, or `.whl/peft-*.whl` is in the repository (the
 version the issue measured, 0.21.2; carry `.whl` with the run), the wheel is put on sys.path (a
@@ -80,7 +86,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import V2_LITE, random_batch, time_steps  # noqa: E402
+from train_step import V2_LITE, format_parts, random_batch, step_parts, time_steps  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTN = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -176,7 +182,16 @@ def run_dsjax(args, row: str) -> dict:
     say(f"[{row}] first step loss {first_loss:.4f}")
     state, m, dt = time_steps(compiled, state, batch, args.warmup - 1, args.steps)
     stats = jax.devices()[0].memory_stats() or {}
-    return {"row": row, "step_ms": dt * 1e3, "tokens_per_s": B * T / dt,
+    parts = {}
+    if args.profile:
+        trace = os.path.join(args.profile, row)
+        jax.profiler.start_trace(trace)
+        for _ in range(2):
+            state, m = compiled(state, batch)
+        jax.block_until_ready(m["loss"])
+        jax.profiler.stop_trace()
+        parts = {"parts_ms": step_parts(trace, compiled.as_text(), 2)}
+    return {**parts, "row": row, "step_ms": dt * 1e3, "tokens_per_s": B * T / dt,
             "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None, "step_gb": step_gb,
             "trainable": n_train, "frozen": n_frozen, "compile_s": compile_s, "first_loss": first_loss,
             "loss": float(m["loss"]), "targets": targets + extra,
@@ -281,7 +296,10 @@ def run_child(args, row: str, deadline: float) -> dict:
            "--batch", str(args.batch), "--seq", str(args.seq), "--steps", str(args.steps),
            "--warmup", str(args.warmup)] + (["--tiny"] if args.tiny else [])
     cmd += ["--set", *args.set] if args.set else []
+    cmd += ["--profile", args.profile] if args.profile else []
     env = dict(os.environ)
+    if args.profile:  # every kernel its own event, attributable to its HLO op
+        env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     env["PYTHONPATH"] = os.pathsep.join(x for x in (REPO, env.get("PYTHONPATH", "")) if x)
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
@@ -359,6 +377,8 @@ def main() -> None:
                    help="dsjax config overrides for every dsjax row (the HF rows keep the geometry)")
     p.add_argument("--tiny", action="store_true", help="2-layer toy geometry, B1 x T128: every row on CPU")
     p.add_argument("--json", default="", help="also write the rows to this file")
+    p.add_argument("--profile", default="", help="trace 2 more steps of each dsjax row into DIR/ROW and "
+                   "print its device time per part (command buffers off for the dsjax rows)")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
     tiny = args.tiny
@@ -391,6 +411,9 @@ def main() -> None:
         results.append(run_child(args, name, start + args.time_budget + 60))
         results[-1]["wall_s"] = time.monotonic() - t0
     print(table(args, results), flush=True)
+    for r in results:
+        if "parts_ms" in r:
+            print(format_parts(r["row"], r["parts_ms"], r["step_ms"]), flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

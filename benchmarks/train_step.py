@@ -164,6 +164,8 @@ def classify(name: str, text: str, funcs: list[str]) -> str:
     f = " ".join(funcs)
     if not text:  # the trace named a kernel that is not an op of the step's HLO
         return "memcpy" if "memcpy" in name.lower() else "unmapped"
+    if "grouped_lora_delta" in f or "LoraAdapter." in f:
+        return "LoRA adapters (GEMMs, glue)"
     if "mosaic_gpu" in text:
         return "attention kernels" if "flash_attention" in f else "MoE kernels (GEMMs, permute)"
     if "__cublas" in text or "gemm" in name:
@@ -231,6 +233,20 @@ def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
     out["total"] = sum(per.values())
     out["ops"] = {n: round(ms, 4) for n, ms in ops.most_common()}
     return out
+
+
+def format_parts(label: str, parts: dict, step_ms: float | None = None) -> str:
+    """`step_parts`' result (or {"error": ...}) as printed lines: ms per part, largest ops.
+    `step_ms`: the traced process's timed step with command buffers off, if known."""
+    if "error" in parts:
+        return f"\n{label}: profile failed: {parts['error']}"
+    if not parts.get("ops"):
+        return f"\n{label}: the trace holds no GPU kernels (profiles need a GPU)"
+    lines = [f"\n{label}: device ms per step by part (total {parts['total']:.1f}; command buffers off: "
+             f"step {step_ms or float('nan'):.1f} ms)"]
+    lines += [f"  {k:<40} {v:>7.2f}" for k, v in parts.items() if k not in ("total", "ops")]
+    lines.append("  largest ops: " + "; ".join(f"{n} {ms:.2f}" for n, ms in list(parts["ops"].items())[:10]))
+    return "\n".join(lines)
 
 
 # -- HF transformers peers -------------------------------------------------------------------
@@ -352,16 +368,7 @@ def main() -> None:
               f"{tf / PEAK_TFLOPS:>6.1%} {peak:>8} {vs:>10}")
     for r in results:
         if "parts_ms" in r:
-            parts = r["parts_ms"]
-            if "error" in parts:
-                print(f"\n{r['row']}: profile failed: {parts['error']}")
-                continue
-            print(f"\n{r['row']}: device ms per step by part (total {parts['total']:.1f}; command buffers "
-                  f"off: step {r.get('step_ms_no_command_buffers') or float('nan'):.1f} ms)")
-            for k, v in parts.items():
-                if k not in ("total", "ops"):
-                    print(f"  {k:<40} {v:>7.2f}")
-            print("  largest ops: " + "; ".join(f"{n} {ms:.2f}" for n, ms in list(parts["ops"].items())[:10]))
+            print(format_parts(r["row"], r["parts_ms"], r.get("step_ms_no_command_buffers")))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
