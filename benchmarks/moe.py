@@ -21,7 +21,10 @@ the GPU's power cap makes rounds differ by up to ~6 %; pairing within a round re
 `--check`: relative L2 errors of the output and of the gradients of every differentiated
 input (one random cotangent) vs the op's reference on the same inputs in fp32 (GEMM:
 `grouped_matmul` impl="reference" or jnp.dot; permute, unpermute: impl="reference");
-"exact" where equal.
+"exact" where equal. Where the fp32 expert weights would pass `--check-max-gb` (V3: 30 GB, and
+the reference's fp32 weight gradient as much again), the check runs on the shape's first E' experts
+(the fewest that keep K <= E' and fit, a divisor of E) with T * E' / E tokens: the same widths and
+rows per expert as timed; the check column then names E'.
 `--trace DIR`: a jax.profiler trace of 3 calls of each fwd+bwd program, its kernels printed
 (benchmarks/_trace.py).
 """
@@ -79,6 +82,19 @@ def scatter_add_unpermute(y, perm, p):
     scale = jnp.take(p.reshape(-1), perm).astype(jnp.float32)
     out = jnp.zeros((t, y.shape[1]), jnp.float32).at[perm // k].add(y * scale[:, None])
     return out.astype(y.dtype)
+
+
+def check_shape(s, max_bytes: float):
+    """The shape --check runs for `s`: `s` when its fp32 expert weights [E, D, 2I] fit in
+    max_bytes, else s with E' experts (the largest divisor of E, at least K, that fits; K if
+    none does) and T * E' / E tokens, so that widths and rows per expert stay as timed."""
+    T, K, E, D, I = (s[c] for c in "TKEDI")
+    per_expert = D * 2 * I * 4
+    if E * per_expert <= max_bytes:
+        return s
+    fits = [e for e in range(K, E) if E % e == 0 and (T * e) % E == 0 and e * per_expert <= max_bytes]
+    e = max(fits) if fits else K
+    return dict(s, E=e, T=T * e // E)
 
 
 def cases(s):
@@ -191,6 +207,8 @@ def main():
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--tiny", action="store_true", help="one small shape (interpret off a GPU)")
     ap.add_argument("--check", action="store_true", help="errors vs an fp32 reference")
+    ap.add_argument("--check-max-gb", type=float, default=4.0,
+                    help="fp32 expert weights above this: --check on fewer experts (see above)")
     ap.add_argument("--iters", type=int, default=5, help="back-to-back calls per timing")
     ap.add_argument("--reps", type=int, default=5, help="timings per cell (median reported)")
     ap.add_argument("--rounds", type=int, default=0, help="interleave an op's impls: R rounds")
@@ -202,6 +220,8 @@ def main():
     print(f"jax {jax.__version__}, device {jax.devices()[0].device_kind}", flush=True)
     rows = []
     for sname, s in shapes.items():
+        cs = check_shape(s, a.check_max_gb * 1e9) if a.check else s
+        checks = {} if cs is s else {(c[0], i[0]): i for c in cases(cs) for i in c[4]}
         for op, work, unit, fb_work, impls in cases(s):
             progs = []
             for iname, fn, args, aux, ref in impls:
@@ -209,7 +229,13 @@ def main():
                     fwd, fb = programs(fn, args, aux)
                     jax.block_until_ready(fwd(*args, *aux))  # forward first (interpret mode)
                     jax.block_until_ready(fb(*args, *aux))
-                    err = errors(fb, args, aux, ref) if a.check else ""
+                    err = ""
+                    if a.check and (op, iname) in checks:  # the same op on the check shape
+                        _, cfn, cargs, caux, cref = checks[op, iname]
+                        err = errors(programs(cfn, cargs, caux)[1], cargs, caux, cref) + \
+                            f" ({cs['E']} of {s['E']} experts)"
+                    elif a.check:
+                        err = errors(fb, args, aux, ref)
                     progs.append((iname, fwd, fb, args + aux, err))
                     if a.trace:
                         trace(a.trace, f"{sname}_{op}_{iname}", fb, args + aux)
