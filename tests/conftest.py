@@ -1,6 +1,15 @@
-"""Test-wide setup: 8 fake CPU devices (sharding tests), float32 matmuls at full precision, and
-one XLA compilation cache for the session; subprocesses (CLI tests) inherit all three through
-the environment.
+"""Test-wide setup: 8 fake CPU devices (sharding tests), float32 matmuls at full precision,
+XLA's CPU backend at optimization level 0, and one XLA compilation cache for the session;
+subprocesses (CLI tests) inherit all four through the environment.
+
+Optimization level 0 (`--xla_backend_optimization_level=0`, unless XLA_FLAGS sets a level): the
+suite's time is mostly XLA compiling small programs that then run for milliseconds, and the LLVM
+passes of the default level take about a third of it (test_lora.py: 239 s at the default level,
+163 s at 0, on 2 cores). The optimized HLO is the same at either level (sharding, fusion and
+buffer assignment, which tests inspect; checked on the tiny LoRA model's gradient program: same
+text, same temp bytes); only the machine code generated from it differs, which can change the
+order of a reduction's additions, so results agree with the default level's to float rounding
+(that gradient: in the 6th significant digit of some elements), not bitwise.
 
 The cache: many tests train the same small model (one `loop.train` per case, CLI subprocesses),
 and each run traces and lowers its programs again; where the lowered program is identical to one
@@ -20,6 +29,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
+if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dsjax-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)

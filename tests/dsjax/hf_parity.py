@@ -201,7 +201,13 @@ def add_tensors(path: Path, tensors: dict, fname: str = "model-extra.safetensors
 
 def layer_outputs(model, tokens):
     """dsjax per-layer hidden states [L + 1] x [B, T, D] in HF's `output_hidden_states` convention
-    (embedding, each layer's output, the last one replaced by the final normed hidden)."""
+    (embedding, each layer's output, the last one replaced by the final normed hidden), computed
+    as one jitted program (run op by op, the layers' many small ops each compile on their own)."""
+    graph, state = nnx.split(model)
+    return jax.jit(lambda st, t: _layer_outputs(nnx.merge(graph, st), t))(state, tokens)
+
+
+def _layer_outputs(model, tokens):
     B, T = tokens.shape
     pos = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     seg = jnp.ones((B, T), jnp.int32)

@@ -4,6 +4,7 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,12 @@ def _tokens(vocab, shape=(2, 24), seed=0):
     return np.random.default_rng(seed).integers(2, vocab, shape).astype(np.int32)
 
 
+def _logits(fns, params, rest, tokens):
+    """Our model's logits as one jitted program (run op by op, its many small ops would each
+    compile on their own)."""
+    return jax.jit(lambda p, r, t: fns.merge(p, r)(t)[0])(params, rest, tokens)
+
+
 def _hf_logits(model, tokens):
     with torch.no_grad():
         return model(torch.tensor(tokens, dtype=torch.long)).logits.float().numpy()
@@ -138,7 +145,7 @@ def test_fused_expert_keys_load_like_per_expert(v3, tmp_path):
         for k in path:
             b = b[k.key]
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    np.testing.assert_allclose(np.asarray(fns.merge(p1, r1)(_tokens(cfg.vocab_size))[0]),
+    np.testing.assert_allclose(np.asarray(_logits(fns, p1, r1, _tokens(cfg.vocab_size))),
                                _hf_logits(hf, _tokens(cfg.vocab_size)), rtol=0, atol=2e-5)
 
 
@@ -328,12 +335,17 @@ def test_train_step_adds_weighted_mtp_loss():
              "positions": np.broadcast_to(np.arange(16, dtype=np.int32), (1, 2, 16)).copy()}
     batch["loss_mask"][0, 1, 10:] = 0  # padding tail
     _, m = jax.jit(make_train_step(cfg, fns, tx, sch))(init_state(params, rest, tx), batch)
-    model = fns.merge(params, rest)
     mb = {k: jnp.asarray(v[0]) for k, v in batch.items()}
-    h, _ = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
-    lg = model.mtp_logits(h, mb["inputs"], mb["positions"], mb["segment_ids"])[0][0]
-    tgt, mask = mtp_targets(mb["targets"], mb["loss_mask"], 0)
-    s, n = cross_entropy(lg, tgt, mask)
+
+    @jax.jit  # one program instead of the model's ops one by one
+    def mtp_ce(params, rest, mb):
+        model = fns.merge(params, rest)
+        h, _ = model.hidden_states(mb["inputs"], mb["positions"], mb["segment_ids"])
+        lg = model.mtp_logits(h, mb["inputs"], mb["positions"], mb["segment_ids"])[0][0]
+        tgt, mask = mtp_targets(mb["targets"], mb["loss_mask"], 0)
+        return cross_entropy(lg, tgt, mask)
+
+    s, n = mtp_ce(params, rest, mb)
     assert float(n) == 15 + 9  # row 0: i = 0..14; row 1 (targets 10.. masked): i = 0..8
     np.testing.assert_allclose(float(m["mtp_loss"][0]), float(s / n), rtol=1e-5)
 
@@ -355,7 +367,7 @@ def test_export_round_trip_transformers_reproduces_our_logits(name, tmp_path):
         b = rest["moe_layers"]["mlp"]["e_score_correction_bias"]
         rest["moe_layers"]["mlp"]["e_score_correction_bias"] = jax.random.normal(jax.random.key(1), b.shape) * 0.1
     tokens = _tokens(mcfg.vocab_size, (2, 64))
-    ours = np.asarray(fns.merge(params, rest)(tokens)[0])
+    ours = np.asarray(_logits(fns, params, rest, tokens))
     out = save_hf(tmp_path / "hf", cfg.model, params, rest, dtype="float32", max_shard_bytes=300_000)
     assert (out / "model.safetensors.index.json").is_file()
     hf = P.load_eager(out)
@@ -391,7 +403,10 @@ def test_convert_cli_from_hf_generate_and_back(v3, tmp_path):
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     tok.save(str(hf_dir / "tokenizer.json"))
     run = tmp_path / "run"
+    # a bare environment, plus the session's XLA compilation cache (tests/conftest.py): the two
+    # conversions compile the same eager ops, the second reads them back
     env = {"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+    env.update({k: v for k, v in os.environ.items() if k.startswith(("JAX_COMPILATION_CACHE", "JAX_PERSISTENT_CACHE"))})
     r = subprocess.run([sys.executable, "-m", "dsjax.convert", "--from-hf", str(hf_dir), "--out", str(run),
                         "--set", "data.seq_len=64"], cwd=ROOT, env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
@@ -402,7 +417,7 @@ def test_convert_cli_from_hf_generate_and_back(v3, tmp_path):
     assert step == 0 and cfg.model.num_nextn_predict_layers == 1
     hf = P.load_eager(hf_dir)
     tokens = _tokens(cfg.model.vocab_size, (2, 64))
-    assert P.rel(np.asarray(model(tokens)[0]), _hf_logits(hf, tokens)) <= 1e-5
+    assert P.rel(np.asarray(jax.jit(lambda t: model(t)[0])(tokens)), _hf_logits(hf, tokens)) <= 1e-5
     back = tmp_path / "hf_out"
     r = subprocess.run([sys.executable, "-m", "dsjax.convert", "--to-hf", str(run), "--out", str(back),
                         "--dtype", "float32"], cwd=ROOT, env=env, capture_output=True, text=True)

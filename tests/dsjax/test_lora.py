@@ -51,6 +51,12 @@ def batch_of(cfg, seed=0, rows=None):
             "positions": np.broadcast_to(np.arange(T, dtype=np.int32), (B, T)).copy()}
 
 
+def logits_of(fns, params, rest, toks):
+    """The model's logits as one jitted program (run op by op, its many small ops would each
+    compile on their own)."""
+    return jax.jit(lambda p, r, t: fns.merge(p, r)(t)[0])(params, rest, toks)
+
+
 def randomize_b(params, seed=1, scale=0.3):
     """Adapters with non-zero B (a trained adapter), so LoRA changes the model."""
     leaves, tdef = jax.tree_util.tree_flatten_with_path(params)
@@ -102,8 +108,8 @@ def test_fresh_adapters_give_the_base_logits_bitwise(dtype):
     n_a = sum(x.size for p, x in jax.tree_util.tree_flatten_with_path(ad)[0] if str(p[-1].key) == "lora_A")
     assert n_a > 0 and all(float(jnp.std(x)) > 0 for x in jax.tree.leaves(ad) if x.ndim and x.shape[-1] == 4)
     toks = jnp.asarray(batch_of(cfg)["inputs"])
-    a = np.asarray(fns.merge(params, rest)(toks)[0])
-    np.testing.assert_array_equal(a, np.asarray(fb.merge(pb, rb)(toks)[0]))
+    a = np.asarray(logits_of(fns, params, rest, toks))
+    np.testing.assert_array_equal(a, np.asarray(logits_of(fb, pb, rb, toks)))
 
 
 def test_adapter_model_equals_its_merged_weights():
@@ -111,10 +117,10 @@ def test_adapter_model_equals_its_merged_weights():
     fns, params, rest = finetune.init_model(cfg)
     params = randomize_b(params)
     toks = jnp.asarray(batch_of(cfg)["inputs"])
-    ours = np.asarray(fns.merge(params, rest)(toks)[0])
+    ours = np.asarray(logits_of(fns, params, rest, toks))
     bf, _, _ = abstract_model(cfg.model)
-    merged = np.asarray(bf.merge(merged_params(params, cfg.lora), rest)(toks)[0])
-    base = np.asarray(bf.merge(split_adapters(params)[0], rest)(toks)[0])
+    merged = np.asarray(logits_of(bf, merged_params(params, cfg.lora), rest, toks))
+    base = np.asarray(logits_of(bf, split_adapters(params)[0], rest, toks))
     assert rel(base, merged) > 1e-2  # the adapters matter
     assert rel(ours, merged) < 1e-5
 
@@ -150,16 +156,17 @@ def test_grouped_expert_lora_matches_per_expert_reference():
     def ours(x, w, a, b):
         return expert_matmul(x, w, (a, b), gs, s, "reference")
 
-    y, y_ref = ours(x, w, a, b), ref(x, w, a, b)
+    # each side jitted: one program instead of the reference loop's ops one by one
+    y, y_ref = jax.jit(ours)(x, w, a, b), jax.jit(ref)(x, w, a, b)
     assert rel(y, y_ref) < 1e-6
     np.testing.assert_array_equal(np.asarray(y[67:]), 0)  # rows past the groups
-    g = jax.grad(lambda *p: jnp.sum(ours(*p) * cot), argnums=(0, 1, 2, 3))(x, w, a, b)
-    g_ref = jax.grad(lambda *p: jnp.sum(ref(*p) * cot), argnums=(0, 1, 2, 3))(x, w, a, b)
+    g = jax.jit(jax.grad(lambda *p: jnp.sum(ours(*p) * cot), argnums=(0, 1, 2, 3)))(x, w, a, b)
+    g_ref = jax.jit(jax.grad(lambda *p: jnp.sum(ref(*p) * cot), argnums=(0, 1, 2, 3)))(x, w, a, b)
     for name, u, v in zip("xwab", g, g_ref):
         assert rel(u, v) < 1e-6, name
     # the delta alone, and in bf16 against the fp32 reference
     d16 = grouped_lora_delta(x.astype(jnp.bfloat16), a, b, gs, scale=s, impl="reference")
-    assert d16.dtype == jnp.bfloat16 and rel(d16, _ref_delta(x, a, b, gs, s)) < 2e-2
+    assert d16.dtype == jnp.bfloat16 and rel(d16, jax.jit(lambda *p: _ref_delta(*p, gs, s))(x, a, b)) < 2e-2
 
 
 def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weight():
@@ -173,9 +180,9 @@ def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weight():
     toks = jnp.asarray(bt["inputs"])
     cot = jnp.asarray(np.random.default_rng(3).normal(size=(4, 16, 128)), jnp.float32)
     s = cfg.lora.alpha / cfg.lora.rank
-    g_lora = jax.grad(lambda p: jnp.sum(fns.merge(p, rest)(toks)[0] * cot))(params)
+    g_lora = jax.jit(jax.grad(lambda p: jnp.sum(fns.merge(p, rest)(toks)[0] * cot)))(params)
     merged = merged_params(params, cfg.lora)
-    g_w = jax.grad(lambda p: jnp.sum(bf.merge(p, rest)(toks)[0] * cot))(merged)
+    g_w = jax.jit(jax.grad(lambda p: jnp.sum(bf.merge(p, rest)(toks)[0] * cot)))(merged)
     cases = [(("moe_layers", "self_attn", "kv_b_proj", "kernel"), ("moe_layers", "self_attn", "kv_b_proj", "lora")),
              (("moe_layers", "mlp", "up_proj"), ("moe_layers", "mlp", "experts", "up_proj")),
              (("lm_head", "kernel"), ("lm_head", "lora"))]
@@ -379,7 +386,7 @@ def test_peft_loads_our_adapter_file_with_modules_to_save(tmp_path):
     import hf_parity as P
     cfg, fns, params, rest = _trained_with_saved_modules(tmp_path)
     toks = np.random.default_rng(2).integers(2, cfg.model.vocab_size, (2, 16))
-    ours = np.asarray(fns.merge(params, rest)(jnp.asarray(toks, jnp.int32))[0])
+    ours = np.asarray(logits_of(fns, params, rest, jnp.asarray(toks, jnp.int32)))
     with torch.no_grad():
         base = P.load_eager(tmp_path / "base")
         t = torch.as_tensor(toks, dtype=torch.long)

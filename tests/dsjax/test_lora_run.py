@@ -111,7 +111,8 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     # the LoRA model (adapter GEMMs, no merge), jitted: one compile instead of its eager ops' many
     ours = np.asarray(jax.jit(lambda p, r, t: fns.merge(p, r)(t)[0])(pa, ra, toks))
     model, _, _, _ = G.load_run(a.train.run_dir)  # generation's merged model
-    np.testing.assert_allclose(np.asarray(model(toks)[0]), ours, rtol=0, atol=1e-5 * np.abs(ours).max())
+    merged = np.asarray(jax.jit(lambda t: model(t)[0])(toks))  # jitted, like the LoRA model
+    np.testing.assert_allclose(merged, ours, rtol=0, atol=1e-5 * np.abs(ours).max())
     hf = P.load_eager(out)
     with torch.no_grad():
         theirs = hf(torch.as_tensor(np.asarray(toks), dtype=torch.long)).logits.float().numpy()
