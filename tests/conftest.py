@@ -2,7 +2,7 @@
 XLA's CPU backend at optimization level 0, and one XLA compilation cache for the session;
 subprocesses (CLI tests) inherit all four through the environment.
 
-Optimization level 0 (`--xla_backend_optimization_level=0`, unless XLA_FLAGS sets a level): the
+Optimization level 0 (`--xla_backend_optimization_level=0`, on CPU, unless XLA_FLAGS sets a level): the
 suite's time is mostly XLA compiling small programs that then run for milliseconds, and the LLVM
 passes of the default level take about a third of it (test_lora.py: 239 s at the default level,
 163 s at 0, on 2 cores). The optimized HLO is the same at either level (sharding, fusion and
@@ -29,8 +29,8 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 _flag = "--xla_force_host_platform_device_count=8"
 if _flag not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _flag).strip()
-if "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
-    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"
+if os.environ["JAX_PLATFORMS"] == "cpu" and "--xla_backend_optimization_level" not in os.environ["XLA_FLAGS"]:
+    os.environ["XLA_FLAGS"] += " --xla_backend_optimization_level=0"  # not for GPU kernel runs
 if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="dsjax-tests-xla-cache-")
     atexit.register(shutil.rmtree, _cache, ignore_errors=True)
