@@ -27,11 +27,13 @@ class DecoderLayer(nnx.Module):
         self.mlp = MoE(cfg, rngs=rngs) if moe else MLP(cfg, cfg.intermediate_size, rngs=rngs)
         self.is_moe = moe
 
-    def __call__(self, h, cos, sin, segment_ids, scale):
+    def __call__(self, h, cos, sin, segment_ids, scale, token_mask=None):
+        """token_mask [B, T] bool: the tokens the MoE's balance statistics count (default: the
+        real ones, segment_ids > 0)."""
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, segment_ids, scale)
         x = self.post_attention_layernorm(h)
         if self.is_moe:
-            y, stats = self.mlp(x, segment_ids > 0)
+            y, stats = self.mlp(x, segment_ids > 0 if token_mask is None else token_mask)
         else:
             y, stats = self.mlp(x), {}
         return h + y, stats

@@ -37,10 +37,11 @@ class MTPLayer(nnx.Module):
         self.block = DecoderLayer(cfg, moe=cfg.n_routed_experts > 0, rngs=rngs)
         self.head_norm = RMSNorm(D, cfg.rms_norm_eps, cfg)  # HF `shared_head.norm`
 
-    def __call__(self, h, emb_next, cos, sin, segment_ids, scale):
-        """h [B, T, D] (normed), emb_next [B, T, D] -> (normed h' [B, T, D], MoE stats)."""
+    def __call__(self, h, emb_next, cos, sin, segment_ids, scale, token_mask=None):
+        """h [B, T, D] (normed), emb_next [B, T, D] -> (normed h' [B, T, D], MoE stats over the
+        positions of token_mask [B, T] bool, `input_mask`)."""
         x = self.eh_proj(jnp.concatenate([self.enorm(emb_next), self.hnorm(h)], axis=-1))
-        y, stats = self.block(x, cos, sin, segment_ids, scale)
+        y, stats = self.block(x, cos, sin, segment_ids, scale, token_mask)
         return self.head_norm(y), stats
 
 
@@ -66,17 +67,31 @@ class MTP(nnx.Module):
           segment_ids [B, T]; scale: softmax scale.
         Returns: list of K normed hidden states [B, T, D] (depth k at position i predicts
           token i + k + 2; positions whose tokens i + k + 1 fall outside the row see a wrapped
-          token and must be masked, see `mtp_targets`), and a list of K MoE stats dicts.
+          token and must be masked, see `mtp_targets`), and a list of K MoE stats dicts, each
+          over the positions whose depth-k input is real (`input_mask`).
         """
         graphdef, state = nnx.split(self.layers)
         outs, stats = [], []
         for k in range(self.num_layers):
             layer = nnx.merge(graphdef, jax.tree.map(lambda x: x[k], state))
             emb_next = embed(jnp.roll(tokens, -(k + 1), axis=1))
-            h, st = layer(h, emb_next, cos, sin, segment_ids, scale)
+            h, st = layer(h, emb_next, cos, sin, segment_ids, scale, input_mask(segment_ids, k))
             outs.append(h)
             stats.append(st)
         return outs, stats
+
+
+def input_mask(segment_ids, depth: int):
+    """[B, T] bool: positions i whose MTP depth-`depth` input is real: token i is real and token
+    i + depth + 1, whose embedding depth `depth` reads there, lies in the row and in the same
+    document. The MTP blocks' routers are balanced over these positions only: elsewhere the
+    input is a padding token, the next document's or a token wrapped from the row's start, and
+    a batch padded or cut differently would route, count and move the router biases
+    differently there."""
+    s = depth + 1
+    B, T = segment_ids.shape
+    later = jnp.concatenate([segment_ids[:, s:], jnp.zeros((B, min(s, T)), segment_ids.dtype)], axis=1)
+    return (segment_ids > 0) & (later == segment_ids)
 
 
 def mtp_targets(targets, loss_mask, depth: int):

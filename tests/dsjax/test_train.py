@@ -176,6 +176,55 @@ def test_bf16_halts_updates_after_a_nonfinite_step(tmp_path):
         step(state, _batch(cfg, 3, 2))
 
 
+def _two_docs(cfg, seed):
+    """A [1, B, T] batch of two documents per row (no target across the boundary)."""
+    b = {k: np.asarray(v).copy() for k, v in _batch(cfg, seed, 1).items()}
+    T = cfg.data.seq_len
+    b["segment_ids"][..., T // 2:] = 2
+    b["positions"][..., T // 2:] -= T // 2
+    b["loss_mask"][..., T // 2 - 1] = 0
+    return b
+
+
+def _tail_padded(b):
+    """b with as many padding positions after each row (segment 0, mask 0, token 1)."""
+    fill = {"inputs": 1, "targets": 1}
+    return {k: np.concatenate([v, np.full_like(v, fill.get(k, 0))], axis=-1) for k, v in b.items()}
+
+
+def test_padding_changes_no_mtp_router_balance(tmp_path):
+    # case 4 with an MTP module: the same rows as they are and followed by padding give the same
+    # losses, balance metrics and router-bias updates, the MTP block's included: its input at a
+    # document's last positions is the padding, the next document's or a wrapped token, and
+    # those positions do not count in its balance
+    extra = ("model.num_nextn_predict_layers=1", "model.aux_loss_alpha=0.01")
+    cfg = _small(tmp_path, *extra)
+    cfg_p = _small(tmp_path, *extra, f"data.seq_len={2 * cfg.data.seq_len}")
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+
+    @jax.jit
+    def mtp_counts(x):
+        model = fns.merge(p, r)
+        h, _ = model.hidden_states(x["inputs"][0], x["positions"][0], x["segment_ids"][0])
+        return model.mtp_hidden(h, x["inputs"][0], x["positions"][0], x["segment_ids"][0])[1][0]["expert_counts"]
+
+    b = _two_docs(cfg, 0)
+    pb = _tail_padded(b)
+    T = cfg.data.seq_len
+    # per row, the depth-0 input is real at all but each document's last position
+    assert float(jnp.sum(mtp_counts(b))) == cfg.data.batch_size * (T - 2) * cfg.model.num_experts_per_tok
+    np.testing.assert_array_equal(mtp_counts(b), mtp_counts(pb))
+    s1, m1 = jax.jit(make_train_step(cfg, fns, tx, sched))(init_state(p, r, tx), jax.tree.map(jnp.asarray, b))
+    s2, m2 = jax.jit(make_train_step(cfg_p, fns, tx, sched))(init_state(p, r, tx), jax.tree.map(jnp.asarray, pb))
+    for k in ("loss", "seq_aux", "router_entropy", "expert_load_max_over_mean", "mtp_loss"):
+        np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, err_msg=k)
+    mtp_bias = s1["rest"]["mtp"]["layers"]["block"]["mlp"]["e_score_correction_bias"]
+    assert float(jnp.abs(mtp_bias).sum()) > 0
+    for x, y in zip(jax.tree.leaves(s1["rest"]), jax.tree.leaves(s2["rest"])):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
     cfg1 = _small(tmp_path, "train.grad_accum=1")
     cfg2 = _small(tmp_path, "train.grad_accum=2")
