@@ -71,6 +71,7 @@ from tokenizers import Tokenizer
 
 from dsjax.data.chat_template import ChatTemplate, load_chat_template
 from dsjax.data.corpus import expand_sources
+from dsjax.data.tokenizer import warn_pad_is_eos
 from dsjax.data.loader import pack_rows
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,9 @@ class ChatTokenizer:
     """A checkpoint's ``tokenizer.json`` plus its chat template.
 
     Special tokens in the rendered text are recognised (the template writes them); none are
-    added. ``eos_id``/``pad_id``: the config's ``eos_token``/``pad_token`` (pad: EOS if absent).
+    added. ``eos_id``/``pad_id``: the config's ``eos_token``/``pad_token`` (pad: EOS if absent,
+    logged once per tokenizer file; the answers' EOS stay trained, the loss mask marks them).
+    `load` raises ValueError for an eos_token or pad_token that is not a token of the file.
     """
     tokenizer: Tokenizer
     template: ChatTemplate
@@ -174,8 +177,12 @@ class ChatTokenizer:
             raise ValueError(f"{template.source}: eos_token {eos!r} is not a token of {path}")
         eos_id = tok.token_to_id(eos)
         pad = template.special.get("pad_token")
-        pad_id = tok.token_to_id(pad) if pad is not None else None
-        return cls(tok, template, path, eos_id, eos_id if pad_id is None else pad_id)
+        if pad is not None and tok.token_to_id(pad) is None:
+            raise ValueError(f"{template.source}: pad_token {pad!r} is not a token of {path}")
+        pad_id = eos_id if pad is None else tok.token_to_id(pad)
+        if pad_id == eos_id:
+            warn_pad_is_eos(path, eos_id)
+        return cls(tok, template, path, eos_id, pad_id)
 
     @property
     def vocab_size(self) -> int:

@@ -132,11 +132,19 @@ def wrap(tokenizer: Tokenizer, path: os.PathLike | str, eos_token: str | None = 
         if pad_token:
             raise ValueError(f"tokenizer {path}: pad token {pad_token!r} not in vocabulary")
         pad_id = eos_id
-    if pad_id == eos_id and str(path) not in _WARNED_PAD_IS_EOS:
-        _WARNED_PAD_IS_EOS.add(str(path))
-        log.warning("tokenizer %s: pad token == EOS (id %d); padding is masked by the loss mask "
-                    "and every document-ending EOS is still trained", path, eos_id)
+    if pad_id == eos_id:
+        warn_pad_is_eos(path, eos_id)
     return Tok(tokenizer, path, eos_id, pad_id)
+
+
+def warn_pad_is_eos(path, eos_id: int) -> None:
+    """Log once per tokenizer file that its pad token is its EOS (the loaders build the loss
+    mask from document boundaries, not token values, so every real EOS is still trained)."""
+    if str(path) in _WARNED_PAD_IS_EOS:
+        return
+    _WARNED_PAD_IS_EOS.add(str(path))
+    log.warning("tokenizer %s: pad token == EOS (id %d); padding is masked by the loss mask "
+                "and every document-ending EOS is still trained", path, eos_id)
 
 
 def fingerprint_files(paths: Iterable[os.PathLike | str]) -> str:

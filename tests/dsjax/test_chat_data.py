@@ -69,7 +69,7 @@ CONVERSATIONS = [
 ]
 
 
-def _write_tokenizer(d, template, special_user_tokens=True):
+def _write_tokenizer(d, template, special_user_tokens=True, pad_token=None):
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
@@ -90,7 +90,7 @@ def _write_tokenizer(d, template, special_user_tokens=True):
                       "normalized": True, "rstrip": False, "single_word": False},
         "eos_token": {"__type": "AddedToken", "content": EOS, "lstrip": False,
                       "normalized": True, "rstrip": False, "single_word": False},
-        "pad_token": None}, ensure_ascii=False))
+        "pad_token": pad_token}, ensure_ascii=False))
     return d / "tokenizer.json"
 
 
@@ -346,6 +346,25 @@ def test_template_errors_name_the_line(tmp_path):
     f = _jsonl(tmp_path / "d.jsonl", [CONVERSATIONS[1]])
     with pytest.raises(ValueError, match=f"{f}:1: the chat template renders message 2 differently"):
         chat.build_dataset([f], tok, seq_len=64)
+
+
+def test_pad_token_absent_is_eos_with_one_warning_else_checked(tmp_path, caplog):
+    # shared/cases 3 on the chat path: no pad_token -> EOS, said once per tokenizer file (the
+    # answers' EOS stay trained: test_mask_is_each_answer_and_its_eos); a pad_token is used
+    # when it is a token of the file, and one that is not is an error naming it
+    path = _write_tokenizer(tmp_path / "nopad", V3_TEMPLATE)
+    with caplog.at_level(logging.WARNING, logger="dsjax.data.tokenizer"):
+        tok = chat.ChatTokenizer.load(path)
+        chat.ChatTokenizer.load(path)
+    assert tok.pad_id == tok.eos_id
+    assert len([r for r in caplog.records if "pad token == EOS" in r.message and str(path) in r.message]) == 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="dsjax.data.tokenizer"):
+        tok = chat.ChatTokenizer.load(_write_tokenizer(tmp_path / "bospad", V3_TEMPLATE, pad_token=BOS))
+    assert tok.pad_id == tok.tokenizer.token_to_id(BOS) != tok.eos_id
+    assert not [r for r in caplog.records if "pad token == EOS" in r.message]
+    with pytest.raises(ValueError, match="pad_token '<pad>' is not a token of"):
+        chat.ChatTokenizer.load(_write_tokenizer(tmp_path / "badpad", V3_TEMPLATE, pad_token="<pad>"))
 
 
 def test_missing_template(tmp_path):
