@@ -231,6 +231,17 @@ def test_case8_bf16_loss_is_not_quantised():
     # fp32 logits carry information below bf16 resolution
     assert np.any(np.asarray(lg) != np.asarray(lg.astype(jnp.bfloat16).astype(jnp.float32)))
     mask = jnp.ones((2, 16))
+    # the loss of these logits is an fp64 log-softmax of them to fp32 rounding; a bf16
+    # log-softmax of the same logits is off by far more, so this check would see one
+    x = np.asarray(lg, np.float64)
+    top = x.max(-1)
+    lse = np.log(np.exp(x - top[..., None]).sum(-1)) + top
+    want = np.sum(lse - np.take_along_axis(x, np.asarray(toks)[..., None], -1)[..., 0])
+    got = float(cross_entropy(lg, toks, mask)[0])
+    assert abs(got - want) < 1e-6 * want
+    logp16 = jax.nn.log_softmax(lg.astype(jnp.bfloat16), axis=-1)
+    in_bf16 = -float(jnp.sum(jnp.take_along_axis(logp16, toks[..., None], -1).astype(jnp.float32)))
+    assert abs(in_bf16 - want) > 100 * 1e-6 * want, (in_bf16, want)
     l16 = cross_entropy(m16(toks)[0], toks, mask)[0] / 32
     l32 = cross_entropy(m32(toks)[0], toks, mask)[0] / 32
     assert abs(float(l16) - float(l32)) < 2e-3 * float(l32)
