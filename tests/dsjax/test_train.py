@@ -176,6 +176,27 @@ def test_bf16_halts_updates_after_a_nonfinite_step(tmp_path):
         step(state, _batch(cfg, 3, 2))
 
 
+def test_bf16_skip_nonfinite_skips_the_update_and_goes_on(tmp_path):
+    # case 7 under bf16 with train.skip_nonfinite: the non-finite step leaves weights, moments
+    # and router biases bit-identical and counts one skip; the next finite step applies
+    cfg = _small(tmp_path, "model.dtype=bfloat16", "train.skip_nonfinite=true")
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    step = jax.jit(make_train_step(cfg, fns, tx, sched))
+    state, _ = step(init_state(p, r, tx), _batch(cfg, 0, 1))
+    good = jax.tree.map(np.asarray, state)
+    state, m = step(state, _batch(cfg, 1, 1, nan_at=2))
+    assert not bool(m["finite"]) and int(state["skipped"]) == 1 and int(state["bad_steps"]) == 1
+    assert int(state["step"]) == 1 and int(state["nonfinite_step"]) == 1
+    for k in ("params", "opt", "rest"):
+        for x, y in zip(jax.tree.leaves(good[k]), jax.tree.leaves(state[k])):
+            np.testing.assert_array_equal(x, y)
+    state, m = step(state, _batch(cfg, 2, 1))
+    assert bool(m["finite"]) and int(state["step"]) == 2 and int(state["bad_steps"]) == 0
+    assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(good["params"]),
+                                                         jax.tree.leaves(state["params"])))
+
+
 def _two_docs(cfg, seed):
     """A [1, B, T] batch of two documents per row (no target across the boundary)."""
     b = {k: np.asarray(v).copy() for k, v in _batch(cfg, seed, 1).items()}
