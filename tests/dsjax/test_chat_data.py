@@ -349,7 +349,7 @@ def test_template_errors_name_the_line(tmp_path):
 
 
 def test_pad_token_absent_is_eos_with_one_warning_else_checked(tmp_path, caplog):
-    # shared/cases 3 on the chat path: no pad_token -> EOS, said once per tokenizer file (the
+    # case 3 on the chat path: no pad_token -> EOS, said once per tokenizer file (the
     # answers' EOS stay trained: test_mask_is_each_answer_and_its_eos); a pad_token is used
     # when it is a token of the file, and one that is not is an error naming it
     path = _write_tokenizer(tmp_path / "nopad", V3_TEMPLATE)
