@@ -30,7 +30,8 @@ import hf_parity as P  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 
-# ../shared/cases/v3_config_int_rope.json (case 1), verbatim
+# a DeepSeek-V3-style config.json whose rope_scaling holds integers and the legacy "type": "yarn"
+# key (case 1 of the field faults)
 CASE1 = {
     "architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "vocab_size": 512,
     "hidden_size": 64, "intermediate_size": 128, "moe_intermediate_size": 32, "num_hidden_layers": 3,
