@@ -1,5 +1,5 @@
-"""Case 6: a checkpoint written on 8 devices restores on 2 and then on 1 device, with the
-requested sharding on every array, and training continues with the same loss."""
+"""Case 6: a checkpoint written on 8 devices restores on 2 and then on 1 device, and directly on 1
+device, with the requested sharding on every array, and training continues with the same loss."""
 import sys
 from pathlib import Path
 
@@ -37,13 +37,14 @@ def test_checkpoint_8_to_2_to_1_devices(tmp_path):
         state, m = step8(state, loop.global_batch(par8, batches[i], 1))
         losses8.append(float(m["loss"]))
 
-    prev_dir = tmp_path / "ck8"
-    for n_dev, sets in ((2, ["mesh.preset=fsdp", "mesh.fsdp=2", "mesh.devices=2"]),
-                        (1, ["mesh.preset=fsdp", "mesh.fsdp=1", "mesh.devices=1"])):
+    one = ["mesh.preset=fsdp", "mesh.fsdp=1", "mesh.devices=1"]
+    # (devices, mesh, checkpoint read): 8 -> 2, the 2-device re-save -> 1, and 8 -> 1 directly
+    for n_dev, sets, src in ((2, ["mesh.preset=fsdp", "mesh.fsdp=2", "mesh.devices=2"], "ck8"),
+                             (1, one, "ck2"), (1, one, "ck8")):
         cfg = tiny_cfg(*sets)
         par, fresh, sh, step = _setup(cfg, n_dev)
         want = abstract_like(fresh)
-        ck = Checkpointer(prev_dir, CheckpointConfig(async_save=False), read_only=True)
+        ck = Checkpointer(tmp_path / src, CheckpointConfig(async_save=False), read_only=True)
         restored, data, _, at = ck.restore(want)
         ck.close()
         assert at == 2 and data == {"pos": 2}
@@ -55,16 +56,15 @@ def test_checkpoint_8_to_2_to_1_devices(tmp_path):
         losses = []
         state = restored
         for i in (2, 3):
-            if i == 3:  # this mesh writes the checkpoint the next, smaller mesh restores
-                prev_dir = tmp_path / f"ck{n_dev}"
-                ck = Checkpointer(prev_dir, CheckpointConfig(async_save=False))
+            if i == 3 and n_dev == 2:  # the 2-device mesh writes the checkpoint 1 device restores
+                ck = Checkpointer(tmp_path / "ck2", CheckpointConfig(async_save=False))
                 ck.save(2, restored_copy, {"pos": 2}, {})
                 ck.close()
-            if i == 2:
+            if i == 2 and n_dev == 2:
                 restored_copy = jax.tree.map(lambda x: x.copy(), state)
             state, m = step(state, loop.global_batch(par, batches[i], 1))
             losses.append(float(m["loss"]))
         err = max(abs(a - b) for a, b in zip(losses, losses8[2:]))
-        print(f"\nrestored on {n_dev} device(s): {n_checked} arrays with requested shardings; "
+        print(f"\n{src} restored on {n_dev} device(s): {n_checked} arrays with requested shardings; "
               f"losses {losses} vs 8-device {losses8[2:]}: max err {err:.2e}")
         assert err < 1e-5
