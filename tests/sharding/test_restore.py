@@ -4,7 +4,6 @@ import sys
 from pathlib import Path
 
 import jax
-import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sharding_common import synthetic_batches, tiny_cfg  # noqa: E402
