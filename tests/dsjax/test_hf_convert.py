@@ -191,13 +191,15 @@ def test_mtp_weights_loaded_or_ignored_with_note(v3, caplog):
     assert "mtp" not in p0
 
 
-def test_fp8_partial_blocks_and_scale_in_another_shard(v3, tmp_path):
+@pytest.mark.parametrize("blk", [(16, 16), (128, 128)])
+def test_fp8_partial_blocks_and_scale_in_another_shard(v3, tmp_path, blk):
     """Case 5: every 2-D linear quantised to e4m3 with 16x16 blocks (shapes like 40x64, 192x24
-    leave partial edge blocks), each weight_scale_inv written to a different shard."""
+    leave partial edge blocks) or with DeepSeek-V3's 128x128 (every weight here is smaller than a
+    block in some dimension or ends in a partial one), each weight_scale_inv written to a
+    different shard."""
     d, _ = v3
     ck = SafetensorsCheckpoint(d)
     hf_cfg = json.loads((d / "config.json").read_text())
-    blk = (16, 16)
     hf_cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": list(blk)}
     weights, scales, want = {}, {}, {}
