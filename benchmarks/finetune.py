@@ -86,7 +86,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import V2_LITE, format_parts, random_batch, step_parts, time_steps  # noqa: E402
+from train_step import V2_LITE, format_parts, random_batch, time_steps, traced_parts  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTN = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]
@@ -182,19 +182,14 @@ def run_dsjax(args, row: str) -> dict:
     say(f"[{row}] first step loss {first_loss:.4f}")
     state, m, dt = time_steps(compiled, state, batch, args.warmup - 1, args.steps)
     stats = jax.devices()[0].memory_stats() or {}
+    loss = float(m["loss"])
     parts = {}
     if args.profile:
-        trace = os.path.join(args.profile, row)
-        jax.profiler.start_trace(trace)
-        for _ in range(2):
-            state, m = compiled(state, batch)
-        jax.block_until_ready(m["loss"])
-        jax.profiler.stop_trace()
-        parts = {"parts_ms": step_parts(trace, compiled.as_text(), 2)}
+        parts = {"parts_ms": traced_parts(compiled, state, batch, os.path.join(args.profile, row), 2)}
     return {**parts, "row": row, "step_ms": dt * 1e3, "tokens_per_s": B * T / dt,
             "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None, "step_gb": step_gb,
             "trainable": n_train, "frozen": n_frozen, "compile_s": compile_s, "first_loss": first_loss,
-            "loss": float(m["loss"]), "targets": targets + extra,
+            "loss": loss, "targets": targets + extra,
             "dtypes": "frozen bf16, adapters fp32 master + fp32 Adam, bf16 compute"}
 
 

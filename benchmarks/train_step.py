@@ -114,13 +114,7 @@ def run_dsjax(args, row: str) -> dict:
     if "expert_load_max_over_mean" in m:  # per MoE layer: the busiest expert's rows / the mean
         out["expert_load_max_over_mean"] = [round(float(x), 2) for x in m["expert_load_max_over_mean"]]
     if args.profile:
-        trace = os.path.join(args.profile, row)
-        jax.profiler.start_trace(trace)
-        for _ in range(3):
-            state, m = compiled(state, batch)
-        jax.block_until_ready(m["loss"])
-        jax.profiler.stop_trace()
-        out["parts_ms"] = step_parts(trace, compiled.as_text(), 3)
+        out["parts_ms"] = traced_parts(compiled, state, batch, os.path.join(args.profile, row), 3)
     if args.hlo:
         with open(os.path.join(args.hlo, f"{row}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
@@ -194,6 +188,19 @@ def classify(name: str, text: str, funcs: list[str]) -> str:
                for x in funcs):
             return part
     return "other"
+
+
+def traced_parts(compiled, state, batch, trace_dir: str, n_steps: int) -> dict:
+    """Run `n_steps` more steps of the compiled train step under a jax.profiler trace into
+    trace_dir and return their `step_parts`. The state is donated, so the caller's `state` is
+    used up."""
+    import jax
+    jax.profiler.start_trace(trace_dir)
+    for _ in range(n_steps):
+        state, m = compiled(state, batch)
+    jax.block_until_ready(m["loss"])
+    jax.profiler.stop_trace()
+    return step_parts(trace_dir, compiled.as_text(), n_steps)
 
 
 def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
