@@ -157,21 +157,33 @@ def test_bf16_nonfinite_stops_naming_the_step(corpus, tmp_path, monkeypatch):
         loop.train(cfg)
 
 
-def test_bf16_halts_updates_after_a_nonfinite_step(tmp_path):
-    # the loop only looks every log_every steps: until then the step applies no further update
-    cfg = _small(tmp_path, "model.dtype=bfloat16")
+def _assert_same_training_state(a, b):
+    """Weights, optimizer state and router biases of two train states bit-identical."""
+    for k in ("params", "opt", "rest"):
+        for x, y in zip(jax.tree.leaves(a[k]), jax.tree.leaves(b[k])):
+            np.testing.assert_array_equal(x, y)
+
+
+def _finite_then_nonfinite(tmp_path, *extra):
+    """A bf16 small model's jitted step after one finite step and then one whose loss mask holds
+    a NaN: (step, cfg, the state after the finite step as numpy, state and metrics after)."""
+    cfg = _small(tmp_path, "model.dtype=bfloat16", *extra)
     fns, p, r = init_model(cfg)
     tx, sched = build_optimizer(cfg.optim, 10)
     step = jax.jit(make_train_step(cfg, fns, tx, sched))
     state, _ = step(init_state(p, r, tx), _batch(cfg, 0, 1))
     good = jax.tree.map(np.asarray, state)
     state, m = step(state, _batch(cfg, 1, 1, nan_at=2))
+    return step, cfg, good, state, m
+
+
+def test_bf16_halts_updates_after_a_nonfinite_step(tmp_path):
+    # the loop only looks every log_every steps: until then the step applies no further update
+    step, cfg, good, state, m = _finite_then_nonfinite(tmp_path)
     assert not bool(m["finite"])
     state, m = step(state, _batch(cfg, 2, 1))
     assert bool(m["finite"]) and int(state["nonfinite_step"]) == 1 and int(state["step"]) == 1
-    for k in ("params", "opt", "rest"):
-        for x, y in zip(jax.tree.leaves(good[k]), jax.tree.leaves(state[k])):
-            np.testing.assert_array_equal(x, y)
+    _assert_same_training_state(good, state)
     with pytest.raises(ValueError, match="grad_accum"):
         step(state, _batch(cfg, 3, 2))
 
@@ -179,18 +191,10 @@ def test_bf16_halts_updates_after_a_nonfinite_step(tmp_path):
 def test_bf16_skip_nonfinite_skips_the_update_and_goes_on(tmp_path):
     # case 7 under bf16 with train.skip_nonfinite: the non-finite step leaves weights, moments
     # and router biases bit-identical and counts one skip; the next finite step applies
-    cfg = _small(tmp_path, "model.dtype=bfloat16", "train.skip_nonfinite=true")
-    fns, p, r = init_model(cfg)
-    tx, sched = build_optimizer(cfg.optim, 10)
-    step = jax.jit(make_train_step(cfg, fns, tx, sched))
-    state, _ = step(init_state(p, r, tx), _batch(cfg, 0, 1))
-    good = jax.tree.map(np.asarray, state)
-    state, m = step(state, _batch(cfg, 1, 1, nan_at=2))
+    step, cfg, good, state, m = _finite_then_nonfinite(tmp_path, "train.skip_nonfinite=true")
     assert not bool(m["finite"]) and int(state["skipped"]) == 1 and int(state["bad_steps"]) == 1
     assert int(state["step"]) == 1 and int(state["nonfinite_step"]) == 1
-    for k in ("params", "opt", "rest"):
-        for x, y in zip(jax.tree.leaves(good[k]), jax.tree.leaves(state[k])):
-            np.testing.assert_array_equal(x, y)
+    _assert_same_training_state(good, state)
     state, m = step(state, _batch(cfg, 2, 1))
     assert bool(m["finite"]) and int(state["step"]) == 2 and int(state["bad_steps"]) == 0
     assert any(not np.array_equal(x, y) for x, y in zip(jax.tree.leaves(good["params"]),
