@@ -71,8 +71,8 @@ from tokenizers import Tokenizer
 
 from dsjax.data.chat_template import ChatTemplate, load_chat_template
 from dsjax.data.corpus import expand_sources
-from dsjax.data.tokenizer import warn_pad_is_eos
 from dsjax.data.loader import pack_rows
+from dsjax.data.tokenizer import warn_pad_is_eos
 
 log = logging.getLogger(__name__)
 
