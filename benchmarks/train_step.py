@@ -229,16 +229,23 @@ def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
                 elif "Stream" in ln.name:
                     stats = dict((k, v) for k, v in ev.stats)
                     events["streams"].append((str(stats.get("hlo_op", ev.name)), ev.duration_ns))
-    per, ops = collections.Counter(), collections.Counter()
+    per, ops, part_of, funcs_of = collections.Counter(), collections.Counter(), {}, {}
     for name, ns in events["ops"] or events["streams"]:
         ops[name] += ns / 1e6 / n_steps
     for name, ms in ops.items():
         text = instr.get(name, "")
         fid = re.search(r"stack_frame_id=(\d+)", text)
-        per[classify(name, text, chain(int(fid.group(1))) if fid else [])] += ms
+        funcs_of[name] = chain(int(fid.group(1))) if fid else []
+        part_of[name] = classify(name, text, funcs_of[name])
+        per[part_of[name]] += ms
     out = dict(per.most_common())
     out["total"] = sum(per.values())
     out["ops"] = {n: round(ms, 4) for n, ms in ops.most_common()}
+    # the 100 largest ops: part, result shape and the innermost traced Python functions
+    out["op_info"] = {}
+    for n, _ in ops.most_common(100):
+        out["op_info"][n] = {"part": part_of[n], "shape": instr.get(n, "").split(" ")[0][:80],
+                             "funcs": funcs_of[n][:4]}
     return out
 
 
@@ -251,7 +258,7 @@ def format_parts(label: str, parts: dict, step_ms: float | None = None) -> str:
         return f"\n{label}: the trace holds no GPU kernels (profiles need a GPU)"
     lines = [f"\n{label}: device ms per step by part (total {parts['total']:.1f}; command buffers off: "
              f"step {step_ms or float('nan'):.1f} ms)"]
-    lines += [f"  {k:<40} {v:>7.2f}" for k, v in parts.items() if k not in ("total", "ops")]
+    lines += [f"  {k:<40} {v:>7.2f}" for k, v in parts.items() if k not in ("total", "ops", "op_info")]
     lines.append("  largest ops: " + "; ".join(f"{n} {ms:.2f}" for n, ms in list(parts["ops"].items())[:10]))
     return "\n".join(lines)
 
