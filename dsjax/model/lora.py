@@ -139,12 +139,11 @@ class ExpertsLora(nnx.Module):
         return max(ad.rate for ad in (self.gate_proj, self.up_proj, self.down_proj) if ad is not None)
 
 
-def expert_matmul(x, w, pair, group_sizes, scale: float, impl: str, rate: float = 0.0, layer=None):
-    """Routed-expert projection with its adapter: x [M, Din] rows sorted by expert, w [E, Din, N]
-    (or a frozen stack [L, E, Din, N] used at `layer`, `grouped_matmul(layer=...)`),
+def expert_matmul(x, w, pair, group_sizes, scale: float, impl: str, rate: float = 0.0):
+    """Routed-expert projection with its adapter: x [M, Din] rows sorted by expert, w [E, Din, N],
     pair (A [E, Din, r], B [E, r, N]) or None -> [M, N] in x.dtype; the adapter's two GEMMs are
     grouped over the same `group_sizes` [E] as the base GEMM."""
-    y = grouped_matmul(x, w, group_sizes, impl=impl, layer=layer)
+    y = grouped_matmul(x, w, group_sizes, impl=impl)
     if pair is None:
         return y
     return y + grouped_lora_delta(_dropout(x, rate), pair[0], pair[1], group_sizes, scale=scale, impl=impl)

@@ -12,9 +12,6 @@ expert-parallel (`sharding.expert_parallel`); the maths is unchanged.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -25,24 +22,6 @@ from dsjax.model.lora import dropout_key_data, expert_matmul
 from pallas_kernels.moe import grouped_matmul, permute, unpermute
 from sharding import rules as shr
 from sharding.expert_parallel import moe_from_context
-
-
-EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # the routed experts' weights, [E, in, out]
-_STACK = threading.local()
-
-
-@contextlib.contextmanager
-def expert_stack_layer(i):
-    """Run a MoE block whose routed-expert weights (EXPERT_PROJS) are given as their whole frozen
-    layer stack [L, E, in, out] at layer i (int, or traced int32 in a scan): the grouped GEMMs
-    read layer i in place (`grouped_matmul(layer=i)`) instead of XLA copying each layer's slice
-    before them. i None: per-layer weights, as without this context."""
-    prev = getattr(_STACK, "layer", None)
-    _STACK.layer = i
-    try:
-        yield
-    finally:
-        _STACK.layer = prev
 
 
 class RouterBias(nnx.Variable):
@@ -139,40 +118,23 @@ class MoE(nnx.Module):
         self.shared_experts = MLP(cfg, F * cfg.n_shared_experts, rngs=rngs) if cfg.n_shared_experts else None
         self.experts = None  # per-expert adapters (`dsjax.model.lora.ExpertsLora`) under LoRA
 
-    def expert_weights(self, dt=None, per_layer: bool = False):
-        """(gate_proj, up_proj, down_proj) in dtype dt (None: as stored) and the layer they are
-        used at: None for per-layer weights [E, in, out]; i for a frozen layer stack
-        [L, E, in, out] given under `expert_stack_layer(i)`. A stack not already in dt, or
-        `per_layer`, gives layer i's slices (an XLA copy) and None."""
-        ws = tuple(getattr(self, p)[...] for p in EXPERT_PROJS)
-        cast = (lambda w: w) if dt is None else (lambda w: w.astype(dt))
-        if ws[0].ndim == 3:
-            return tuple(cast(w) for w in ws), None
-        layer = getattr(_STACK, "layer", None)
-        if layer is None:
-            raise ValueError(f"MoE weights of shape {ws[0].shape} (a layer stack) outside expert_stack_layer")
-        if per_layer or (dt is not None and ws[0].dtype != dt):
-            return tuple(cast(jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)) for w in ws), None
-        return ws, layer
-
     def _routed(self, xt, ids, weights):
         """Single-program dropless dispatch: xt [T, D], ids/weights [T, K] -> [T, D]."""
         c = self.cfg
         dt = dtype_of(c.dtype)
         xs, group_sizes, perm = permute(xt.astype(dt), ids, num_experts=c.n_routed_experts, impl=c.moe_impl)
-        (wg, wu, wd), layer = self.expert_weights(dt)
         if self.experts is not None:  # LoRA: each projection plus its per-expert adapter
             (pg, pu, pd), s = self.experts.pairs(dt)
             rate = self.experts.rate()
-            g = expert_matmul(xs, wg, pg, group_sizes, s, c.moe_impl, rate, layer=layer)
-            u = expert_matmul(xs, wu, pu, group_sizes, s, c.moe_impl, rate, layer=layer)
+            g = expert_matmul(xs, self.gate_proj[...].astype(dt), pg, group_sizes, s, c.moe_impl, rate)
+            u = expert_matmul(xs, self.up_proj[...].astype(dt), pu, group_sizes, s, c.moe_impl, rate)
             h = jax.nn.silu(g) * u
-            y = expert_matmul(h, wd, pd, group_sizes, s, c.moe_impl, rate, layer=layer)
+            y = expert_matmul(h, self.down_proj[...].astype(dt), pd, group_sizes, s, c.moe_impl, rate)
             return unpermute(y, perm, weights, impl=c.moe_impl)
-        g = grouped_matmul(xs, wg, group_sizes, impl=c.moe_impl, layer=layer)
-        u = grouped_matmul(xs, wu, group_sizes, impl=c.moe_impl, layer=layer)
+        g = grouped_matmul(xs, self.gate_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        u = grouped_matmul(xs, self.up_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
         h = jax.nn.silu(g) * u
-        y = grouped_matmul(h, wd, group_sizes, impl=c.moe_impl, layer=layer)
+        y = grouped_matmul(h, self.down_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
         return unpermute(y, perm, weights, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):
@@ -197,8 +159,8 @@ class MoE(nnx.Module):
                 rate = self.experts.rate()
                 lora = {"pairs": pairs, "scale": s, "rate": rate,
                         "key": dropout_key_data() if rate > 0 else None}
-            (wg, wu, wd), _ = self.expert_weights(per_layer=True)
-            out = moe_from_context(x, ids.reshape(B, T, K), weights.reshape(B, T, K), wg, wu, wd, ctx=ctx,
+            out = moe_from_context(x, ids.reshape(B, T, K), weights.reshape(B, T, K), self.gate_proj[...],
+                                   self.up_proj[...], self.down_proj[...], ctx=ctx,
                                    impl=c.moe_impl, dtype=dt, lora=lora).astype(dt)
         else:
             out = self._routed(xt, ids, weights).reshape(B, T, D)

@@ -15,7 +15,6 @@ from dsjax.config import ModelConfig
 from dsjax.model.decoder import DecoderLayer
 from dsjax.model.layers import Linear, RMSNorm, dtype_of
 from dsjax.model.lora import dropout_key_data, layer_dropout
-from dsjax.model.moe import EXPERT_PROJS, expert_stack_layer
 from dsjax.model.mtp import MTP
 from dsjax.model.rope import inv_freq_and_attention_factor, rope_cos_sin, softmax_scale
 from pallas_kernels.flash_attention.reference import attention_reference
@@ -89,11 +88,6 @@ def _lm_head_bwd(res, g):
 lm_head_matmul.defvjp(_lm_head_fwd, _lm_head_bwd)
 
 
-def _routed_expert_weight(path, _value) -> bool:
-    """nnx filter: a routed expert weight of a MoE layer stack (not its LoRA adapters)."""
-    return len(path) == 2 and path[0] == "mlp" and path[1] in EXPERT_PROJS
-
-
 def _stack(cfg: ModelConfig, n: int, moe: bool, rngs: nnx.Rngs):
     if n == 0:
         return None
@@ -125,23 +119,16 @@ class DeepSeekModel(nnx.Module):
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static constants (float32-exact), not state
         self.attn_factor = attn_factor
         self.scale = softmax_scale(cfg)
-        # True when the routed experts' weights do not train (LoRA; `finetune.mark_frozen_experts`):
-        # the MoE stack then hands them to its layers whole, read in place by the grouped GEMMs
-        self.frozen_expert_stack = False
 
     # -- training / scoring --------------------------------------------------------------------
     def _run_stack(self, stack, h, cos, sin, segment_ids):
-        held = None  # frozen routed-expert weights [L, E, in, out], passed whole to every layer
-        if self.frozen_expert_stack and stack is self.moe_layers:
-            graphdef, held, state = nnx.split(stack, _routed_expert_weight, ...)
-        else:
-            graphdef, state = nnx.split(stack)
+        graphdef, state = nnx.split(stack)
         drop_key = dropout_key_data()  # LoRA dropout: layer i draws from fold_in(drop_key, i)
 
         def body(carry, xs):
             layer_state, i = xs
-            layer = nnx.merge(graphdef, *((held,) if held is not None else ()), layer_state)
-            with layer_dropout(drop_key, i), expert_stack_layer(i if held is not None else None):
+            layer = nnx.merge(graphdef, layer_state)
+            with layer_dropout(drop_key, i):
                 out, stats = layer(carry, cos, sin, segment_ids, self.scale)
             return out, stats
 

@@ -21,7 +21,6 @@ from flax import nnx
 from dsjax.config import Config
 from dsjax.model import DeepSeekModel, ModelFns
 from dsjax.model.layers import dtype_of
-from dsjax.model.moe import EXPERT_PROJS
 from dsjax.model.lora import (attach_adapters, is_adapter_path, join, match_patterns, path_names,
                               split_adapters, trained_base_paths)
 
@@ -38,7 +37,6 @@ def init_model(cfg: Config, seed: int | None = None):
     model = DeepSeekModel(cfg.model, rngs=nnx.Rngs(seed))
     if cfg.lora.rank > 0:
         attach_adapters(model, cfg.lora, nnx.Rngs(seed + 1))
-    mark_frozen_experts(model, cfg)
     graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
     fns = ModelFns(graphdef, jax.eval_shape(lambda: ps), jax.eval_shape(lambda: rs))
     return fns, ps.to_pure_dict(), rs.to_pure_dict()
@@ -53,23 +51,8 @@ def abstract_model(cfg: Config, seed: int = 0):
         return model
 
     model = nnx.eval_shape(make)
-    mark_frozen_experts(model, cfg)
     graphdef, ps, rs = nnx.split(model, nnx.Param, ...)
     return ModelFns(graphdef, ps, rs), ps.to_pure_dict(), rs.to_pure_dict()
-
-
-def mark_frozen_experts(model: DeepSeekModel, cfg: Config) -> None:
-    """Set `model.frozen_expert_stack` when the MoE stack's routed-expert weights (all three
-    projections) are frozen under cfg.lora: the model then reads them in place from the layer
-    stack (`MoE.expert_weights`). Same maths. A lora.freeze pattern that matches nothing leaves
-    the flag off here; `partition` reports it."""
-    if model.moe_layers is None:
-        return
-    try:
-        paths = frozen_paths(cfg, nnx.state(model, nnx.Param).to_pure_dict())
-    except ValueError:
-        return
-    model.frozen_expert_stack = all(("moe_layers", "mlp", p) in paths for p in EXPERT_PROJS)
 
 
 def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:

@@ -163,21 +163,12 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 
-def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False, layer=None):
-    """x @ w[g] (or w[g]^T); with `layer`, w is a stack [L, E, ...] used at w[layer]."""
+def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False):
     if backend == "stand_in":
-        n = w.shape[-2] if transpose_rhs else w.shape[-1]
-        extra = () if layer is None else (layer,)
-        return _compile_only.stand_in(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype), x, w, gs, *extra)
+        n = w.shape[1] if transpose_rhs else w.shape[2]
+        return _compile_only.stand_in(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype), x, w, gs)
     if backend == "pallas":
-        off = None
-        if layer is not None:  # the kernels index the layer's groups in the flat stack
-            off = layer * w.shape[1]
-            w = w.reshape(-1, *w.shape[2:])
-        return mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                              group_offset=off)
-    if layer is not None:
-        w = jax.lax.dynamic_index_in_dim(w, layer, 0, keepdims=False)
+        return mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
     wr = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
     return grouped_matmul_reference(x, wr, gs, preferred_element_type=out_dtype)
 
@@ -212,66 +203,23 @@ def _gmm_bwd(out_dtype, backend, res, g):
 _gmm.defvjp(_gmm_fwd, _gmm_bwd)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _gmm_layer(x, w, gs, layer, out_dtype, backend):
-    return _gmm_backend(backend, x, w, gs, out_dtype, layer=layer)
-
-
-def _gmm_layer_fwd(x, w, gs, layer, out_dtype, backend):  # symbolic zeros: CustomVJPPrimal args
-    w_trains = w.perturbed
-    x, w, gs, layer = x.value, w.value, gs.value, layer.value
-    # x[:0] carries x's dtype (the gradient's); x itself only when the stack is differentiated
-    return _gmm_layer(x, w, gs, layer, out_dtype, backend), (w, gs, layer, x[:0], x if w_trains else None)
-
-
-def _gmm_layer_bwd(out_dtype, backend, res, g):
-    w, gs, layer, x0, x = res
-    if isinstance(g, jax.custom_derivatives.SymbolicZero):  # the output is unused
-        return None, None, None, None
-    if backend != "reference":
-        g = g.astype(x0.dtype)
-    dx = _gmm_backend(backend, g, w, gs, x0.dtype, transpose_rhs=True, layer=layer)
-    dw = None
-    if x is not None:  # a stack that trains: its gradient is zero outside the layer
-        dw_l = _tgmm_backend(backend, x, g, gs, w.dtype)
-        dw = jax.lax.dynamic_update_index_in_dim(jnp.zeros_like(w), dw_l, layer, 0)
-    return dx, dw, None, None
-
-
-_gmm_layer.defvjp(_gmm_layer_fwd, _gmm_layer_bwd, symbolic_zeros=True)
-
-
-def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None, layer=None):
+def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None):
     """Grouped GEMM over consecutive row groups: out[i] = x[i] @ w[g(i)].
 
     Args:
       x: [M, Kd]; w: [E, Kd, N] (same dtype for "pallas": bf16 or f16);
       group_sizes: [E] int, sum <= M; rows past the sum give zeros.
       preferred_element_type: output dtype (default x.dtype); accumulation is always fp32.
-      layer: None, or an int / int32 scalar (traced in a scan): w is then a stack
-        [L, E, Kd, N] and the GEMM uses w[layer], which the Mosaic GPU kernels read in place
-        (no copy of the layer's slice before the kernel). Meant for frozen weights: where the
-        stack is differentiated, its gradient is a zero stack with layer `layer` written
-        (correct, but a full-size buffer per call). The caller keeps 0 <= layer < L (a traced
-        index is not checked).
     Returns:
       [M, N]. Differentiable in x and w (custom VJP: dx by a grouped GEMM with transposed
       weights, dw by a ragged-contraction grouped GEMM); group_sizes gets no gradient.
     Raises:
-      ValueError: unknown impl, impl="pallas" with shapes/dtypes the kernels cannot take
-      (N and Kd multiples of 128, M >= 128), a w that is not [L, E, Kd, N] with `layer`, or
-      a static `layer` outside [0, L).
+      ValueError: unknown impl, or impl="pallas" with shapes/dtypes the kernels cannot take
+      (N and Kd multiples of 128, M >= 128).
     """
+    backend = _resolve(impl, x, w)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
-    gs = group_sizes.astype(jnp.int32)
-    if layer is None:
-        return _gmm(x, w, gs, out_dtype, _resolve(impl, x, w))
-    if w.ndim != 4:
-        raise ValueError(f"grouped_matmul(layer=...) needs a weight stack [L, E, Kd, N], got {w.shape}")
-    if isinstance(layer, int) and not 0 <= layer < w.shape[0]:
-        raise ValueError(f"layer {layer} outside the stack's {w.shape[0]} layers")
-    backend = _resolve(impl, x, jax.ShapeDtypeStruct(w.shape[1:], w.dtype))
-    return _gmm_layer(x, w, gs, jnp.asarray(layer, jnp.int32), out_dtype, backend)
+    return _gmm(x, w, group_sizes.astype(jnp.int32), out_dtype, backend)
 
 
 # ----------------------------------------------------------------------------- fused gate/up + SwiGLU

@@ -198,16 +198,12 @@ def deinterleave_gate_up(h, block=None):
 
 
 def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, epilogue=None,
-        return_h=False, group_offset=None):
-    """Grouped GEMM: out[i] = x[i] @ w[o + g(i)] (or @ w[o + g(i)]^T when transpose_rhs).
+        return_h=False):
+    """Grouped GEMM: out[i] = x[i] @ w[g(i)] (or @ w[g(i)]^T when transpose_rhs).
 
     Args:
-      x: [M, Kc] bf16/f16, rows sorted by group; w: [G, Kc, N] ([G, N, Kc] if transpose_rhs),
+      x: [M, Kc] bf16/f16, rows sorted by group; w: [E, Kc, N] ([E, N, Kc] if transpose_rhs),
         same dtype; group_sizes: [E] int, sum <= M.
-      group_offset: o, an int32 scalar (traced or static), or None for o = 0 and G == E. With
-        it, w may hold more groups than E, e.g. a layer stack [L * E, ...] (a free reshape of
-        [L, E, ...]) read in place at layer l with o = l * E. The caller keeps
-        0 <= o <= G - E; it is not checked on the device.
       out_dtype: output dtype (default x.dtype); accumulation is fp32.
       config: TileConfig (default DEFAULT_CONFIG, TRANSPOSED_CONFIG when transpose_rhs).
       epilogue: None, or "swiglu": w's columns are gate/up interleaved in blocks of
@@ -224,14 +220,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     config = config or (TRANSPOSED_CONFIG if transpose_rhs else DEFAULT_CONFIG)
     check_dtypes(x, w)
     m, kc = x.shape
-    e = group_sizes.shape[0] if group_offset is not None else w.shape[0]
+    e = w.shape[0]
     n = w.shape[1] if transpose_rhs else w.shape[2]
     kw = w.shape[2] if transpose_rhs else w.shape[1]
     if kw != kc:
         raise ValueError(f"contraction mismatch: x {x.shape}, w {w.shape}, {transpose_rhs=}")
-    if group_sizes.shape != (e,) or e > w.shape[0]:
-        raise ValueError(f"group_sizes shape {group_sizes.shape} != ({e},) or more groups than "
-                         f"w {w.shape} holds")
+    if group_sizes.shape != (e,):
+        raise ValueError(f"group_sizes shape {group_sizes.shape} != ({e},)")
     if config.wg_split not in ("m", "n"):
         raise ValueError(f"wg_split={config.wg_split!r}: expected 'm' or 'n'")
     if epilogue not in (None, "swiglu"):
@@ -268,9 +263,6 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     grid_n = n // cta_n
     k_steps = kc // tk
     table = row_tile_table(group_sizes, mp, tm)
-    # row 4: the weight group each tile reads (group e, the zero rows past the sum, reads any)
-    off = jnp.zeros((), jnp.int32) if group_offset is None else jnp.asarray(group_offset, jnp.int32)
-    table = jnp.concatenate([table, (jnp.minimum(table[0], e - 1) + off)[None]])
     num_tiles = table.shape[1]
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
@@ -324,7 +316,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
                 lo = table_ref[2, t]
                 hi = table_ref[3, t]
                 real = g < e  # group e = rows past sum(group_sizes): store zeros
-                gw = table_ref[4, t]
+                gw = jnp.minimum(g, e - 1)
                 if split_m:  # this warpgroup's rows [wlo, whi) of its wm-row half
                     wlo = jnp.clip(lo - wg * wm, 0, wm)
                     whi = jnp.clip(hi - wg * wm, 0, wm)

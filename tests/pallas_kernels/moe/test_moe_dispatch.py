@@ -212,52 +212,6 @@ def test_mosaic_grouped_matmul_custom_vjp_bf16():
     assert rel_err(gw, gw_r) < 1e-2
 
 
-@pytest.mark.parametrize("impl", ["pallas", "reference"])
-def test_grouped_matmul_reads_a_layer_of_a_frozen_stack(impl):
-    """grouped_matmul(w_stack, layer=l) equals grouped_matmul(w_stack[l]) bitwise, forward and
-    dx, for a static layer and for a traced one in a scan over the layers (the kernels read the
-    stack in place), and the stack's own gradient (zero outside the layer)."""
-    m, kd, n, e, nl = 128, 128, 256, 5, 3
-    x, _, dy = _operands(m, kd, n, e, seed=12)
-    ws = (jax.random.normal(jax.random.key(13), (nl, e, kd, n)) / 8).astype(jnp.bfloat16)
-    gs = group_sizes_of("tail", m, e, seed=12)
-
-    def per_layer(x, l):
-        return grouped_matmul(x, ws[l], gs, impl=impl)
-
-    def in_place(x, l):
-        return grouped_matmul(x, ws, gs, impl=impl, layer=l)
-
-    for l in (0, nl - 1):
-        out, vjp = jax.vjp(lambda x: in_place(x, l), x)
-        out_r, vjp_r = jax.vjp(lambda x: per_layer(x, l), x)
-        assert rel_err(out_r, grouped_matmul_reference(x.astype(jnp.float32),
-                                                       ws[l].astype(jnp.float32), gs)) < 1e-2
-        np.testing.assert_array_equal(np.asarray(out, np.float32), np.asarray(out_r, np.float32))
-        np.testing.assert_array_equal(np.asarray(vjp(dy)[0], np.float32),
-                                      np.asarray(vjp_r(dy)[0], np.float32))
-
-    def scanned(f):  # layer l's input is the previous layer's output's first kd columns
-        def loss(x):
-            def body(h, l):
-                y = f(h, l)
-                return y[:, :kd], jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-            return jnp.sum(jax.lax.scan(body, x, jnp.arange(nl))[1])
-        return jax.value_and_grad(loss)(x)
-
-    (v, g), (v_r, g_r) = scanned(in_place), scanned(lambda h, l: per_layer(h, l))
-    assert float(v) == float(v_r)
-    np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(g_r, np.float32))
-    # a stack that is differentiated: layer 1's gradient as per layer, zeros elsewhere
-    cot = lambda y: jnp.sum(y.astype(jnp.float32) * dy.astype(jnp.float32))
-    gw = jax.grad(lambda w: cot(grouped_matmul(x, w, gs, impl=impl, layer=1)))(ws)
-    gw_r = jax.grad(lambda w: cot(grouped_matmul(x, w[1], gs, impl=impl)))(ws)
-    np.testing.assert_array_equal(np.asarray(gw, np.float32), np.asarray(gw_r, np.float32))
-    assert float(jnp.max(jnp.abs(gw[1].astype(jnp.float32)))) > 0
-    with pytest.raises(ValueError, match="outside the stack"):
-        grouped_matmul(x, ws, gs, impl=impl, layer=nl)
-
-
 def test_fused_gate_up_swiglu_forward_and_grads():
     """gate_up_swiglu (one kernel: gate/up GEMM + SwiGLU on the fp32 accumulators) vs the fp32
     formula silu(x @ Wg) * (x @ Wu) per group, values and gradients; an empty expert."""
