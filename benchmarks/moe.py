@@ -204,7 +204,7 @@ def ratios(times, base):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {list(SHAPES)}")
     ap.add_argument("--tiny", action="store_true", help="one small shape (interpret off a GPU)")
     ap.add_argument("--check", action="store_true", help="errors vs an fp32 reference")
     ap.add_argument("--check-max-gb", type=float, default=4.0,

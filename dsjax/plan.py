@@ -301,7 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--config", required=True)
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--devices", type=int, required=True)
-    ap.add_argument("--hbm-gb", type=float, default=80.0)
+    ap.add_argument("--hbm-gb", type=float, default=80.0,
+                    help="device memory in GB the plan must fit (default 80; an H200 has 141)")
     ap.add_argument("--explain", type=int, nargs="?", const=15, default=0, metavar="N",
                     help="list the N (default 15) largest temporaries live at the peak, with "
                          "their HLO op and source line")
