@@ -29,6 +29,7 @@ The maths and the rows each rank computes are unchanged; only their grouping int
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
@@ -36,6 +37,17 @@ from pallas_kernels.moe import grouped_lora_delta, grouped_matmul, lora_dropout,
 
 EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
+
+
+# What the routed block keeps for its backward under recompute (`model.moe_recompute`): the
+# gate/up GEMM outputs, the expert outputs and the adapters' x A (named where they are made); the
+# permuted tokens [M*K, D] and the SwiGLU output [M*K, F] are recomputed.
+RECOMPUTE_SAVES = ("moe_gate", "moe_up", "moe_out", "lora_t")
+
+
+def recompute_policy():
+    """The `jax.checkpoint` policy of `model.moe_recompute`: save only RECOMPUTE_SAVES."""
+    return jax.checkpoint_policies.save_only_these_names(*RECOMPUTE_SAVES)
 
 
 def default_chunk_tokens(m: int, k: int, d: int, itemsize: int,
@@ -77,17 +89,17 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
             g = g + grouped_lora_delta(xd, pg[0], pg[1], gs, scale=s, impl=impl)
         if pu is not None:
             u = u + grouped_lora_delta(xd, pu[0], pu[1], gs, scale=s, impl=impl)
-    h = jax.nn.silu(g) * u
+    h = jax.nn.silu(checkpoint_name(g, "moe_gate")) * checkpoint_name(u, "moe_up")
     y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
     if lora is not None and pd is not None:
         hd = lora_dropout(h, lora["rate"], keys[2])
         y = y + grouped_lora_delta(hd, pd[0], pd[1], gs, scale=s, impl=impl)
-    return unpermute(y, perm, w, impl=impl).astype(jnp.float32)
+    return unpermute(checkpoint_name(y, "moe_out"), perm, w, impl=impl).astype(jnp.float32)
 
 
 def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_axes=(), seq_axes=(),
                         mlp_axes=(), impl="auto", dtype=jnp.float32, axis=EXPERT, chunk_tokens=None,
-                        lora=None):
+                        lora=None, recompute=False):
     """Routed-expert output with experts sharded over mesh axis `axis`.
 
     Args:
@@ -103,6 +115,8 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
       lora: None, or per-expert LoRA factors {"pairs": (gate, up, down), each (A [E, in, r],
         B [E, r, out]) or None; "scale": alpha / r; "rate": dropout; "key": uint32 [2] or None}.
         A and B enter with experts over `axis`; gate/up's B and down's A split F over mlp_axes.
+      recompute: keep only RECOMPUTE_SAVES of a one-chunk step for the backward and recompute
+        the rest there (several chunks recompute each chunk's whole forward anyway).
     Returns:
       [B, T, D] fp32: sum_k weights[., k] * FFN_{ids[., k]}(x), laid out like x.
     Raises:
@@ -147,7 +161,8 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
         n_chunks = m // c
         keys = None if lkey is None else jax.random.split(lkey, n_chunks)
         if c == m:
-            y = local((xf, idf, wf, None if keys is None else keys[0]))
+            step = jax.checkpoint(local, policy=recompute_policy()) if recompute else local
+            y = step((xf, idf, wf, None if keys is None else keys[0]))
         else:  # one chunk per step; its intermediates are recomputed in the backward
             split = lambda a: a.reshape(m // c, c, *a.shape[1:])  # noqa: E731
             y = jax.lax.map(jax.checkpoint(local), (split(xf), split(idf), split(wf), keys))
@@ -171,7 +186,7 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
 
 
 def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto", dtype=jnp.float32,
-                     chunk_tokens=None, lora=None):
+                     chunk_tokens=None, lora=None, recompute=False):
     """`moe_expert_parallel` with axes from an active `sharding.rules.ShardingContext`; batch and
     sequence axes that do not divide x's sizes are dropped (e.g. decoding one sequence)."""
     spec = tuple(ctx.spec(("batch", "seq", None), x.shape, strict=False)) + (None, None)
@@ -179,4 +194,4 @@ def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto",
     return moe_expert_parallel(
         x, ids, weights, w_gate, w_up, w_down, mesh=ctx.mesh, batch_axes=axes(spec[0]),
         seq_axes=axes(spec[1]), mlp_axes=ctx.rules.mesh_axes("mlp", ctx.mesh), impl=impl,
-        dtype=dtype, chunk_tokens=chunk_tokens, lora=lora)
+        dtype=dtype, chunk_tokens=chunk_tokens, lora=lora, recompute=recompute)

@@ -13,6 +13,7 @@ expert-parallel (`sharding.expert_parallel`); the maths is unchanged.
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -21,7 +22,7 @@ from dsjax.model.layers import MLP, dtype_of
 from dsjax.model.lora import dropout_key_data, expert_matmul
 from pallas_kernels.moe import grouped_matmul, permute, unpermute
 from sharding import rules as shr
-from sharding.expert_parallel import moe_from_context
+from sharding.expert_parallel import moe_from_context, recompute_policy
 
 
 class RouterBias(nnx.Variable):
@@ -128,14 +129,14 @@ class MoE(nnx.Module):
             rate = self.experts.rate()
             g = expert_matmul(xs, self.gate_proj[...].astype(dt), pg, group_sizes, s, c.moe_impl, rate)
             u = expert_matmul(xs, self.up_proj[...].astype(dt), pu, group_sizes, s, c.moe_impl, rate)
-            h = jax.nn.silu(g) * u
+            h = jax.nn.silu(checkpoint_name(g, "moe_gate")) * checkpoint_name(u, "moe_up")
             y = expert_matmul(h, self.down_proj[...].astype(dt), pd, group_sizes, s, c.moe_impl, rate)
-            return unpermute(y, perm, weights, impl=c.moe_impl)
+            return unpermute(checkpoint_name(y, "moe_out"), perm, weights, impl=c.moe_impl)
         g = grouped_matmul(xs, self.gate_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
         u = grouped_matmul(xs, self.up_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
-        h = jax.nn.silu(g) * u
+        h = jax.nn.silu(checkpoint_name(g, "moe_gate")) * checkpoint_name(u, "moe_up")
         y = grouped_matmul(h, self.down_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
-        return unpermute(y, perm, weights, impl=c.moe_impl)
+        return unpermute(checkpoint_name(y, "moe_out"), perm, weights, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):
         """x [B, T, D]; token_mask [B, T] bool -> (y [B, T, D], stats dict)."""
@@ -161,9 +162,13 @@ class MoE(nnx.Module):
                         "key": dropout_key_data() if rate > 0 else None}
             out = moe_from_context(x, ids.reshape(B, T, K), weights.reshape(B, T, K), self.gate_proj[...],
                                    self.up_proj[...], self.down_proj[...], ctx=ctx,
-                                   impl=c.moe_impl, dtype=dt, lora=lora).astype(dt)
+                                   impl=c.moe_impl, dtype=dt, lora=lora,
+                                   recompute=c.moe_recompute).astype(dt)
         else:
-            out = self._routed(xt, ids, weights).reshape(B, T, D)
+            routed = self._routed
+            if c.moe_recompute:
+                routed = jax.checkpoint(routed, policy=recompute_policy())
+            out = routed(xt, ids, weights).reshape(B, T, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         counts, entropy, seq_aux = balance_stats(ids, scores, token_mask.reshape(-1), c, (B, T))

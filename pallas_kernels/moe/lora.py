@@ -14,6 +14,7 @@ on an H200. Gradients come from `grouped_matmul`'s custom VJP (dx, dA, dB groupe
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from pallas_kernels.moe import api
@@ -76,6 +77,8 @@ def grouped_lora_delta(x, a, b, group_sizes, *, scale: float, impl: str = "auto"
     if rp != r:
         a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
         b = jnp.pad(b, ((0, 0), (0, rp - r), (0, 0)))
+    # named for remat policies (`jax.checkpoint_policies.save_only_these_names`)
     t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
+    t = checkpoint_name(t, "lora_t")
     y = api.grouped_matmul(t, b, group_sizes, impl=_impl_for(impl, t, b))
     return y * jnp.asarray(scale, y.dtype)

@@ -324,6 +324,32 @@ def test_expert_lora_through_the_pallas_kernels_matches_reference():
         assert g.shape == g_r.shape and rel(f32(g), g_r) < 2e-2, name
 
 
+def test_moe_recompute_gives_the_same_gradients():
+    """model.moe_recompute (the routed block keeps its GEMM outputs and recomputes the token
+    permutation and SwiGLU in the backward): logits and the gradients of every weight, base and
+    adapters, bitwise equal to those without it (fp32), with the layers scanned (one MoE layer:
+    a scan of length 1 still stacks its residuals)."""
+    toks = jnp.asarray(np.random.default_rng(0).integers(2, 128, (2, 16)), jnp.int32)
+    cot = jnp.asarray(np.random.default_rng(1).normal(size=(2, 16, 128)), jnp.float32)
+    out = []
+    for flag in ("false", "true"):
+        cfg = cfg_of(*LORA, "model.num_hidden_layers=2", f"model.moe_recompute={flag}",
+                     "model.scan_layers=true")
+        fns, params, rest = finetune.init_model(cfg)
+
+        def loss(p, fns=fns, rest=rest):
+            logits = fns.merge(p, rest)(toks)[0]
+            return jnp.sum(logits * cot), logits
+        text = str(jax.make_jaxpr(loss)(params))
+        assert ("SaveOnlyTheseNames" in text) == (flag == "true")  # the routed block under jax.checkpoint
+        out.append(jax.jit(jax.value_and_grad(loss, has_aux=True))(randomize_b(params)))
+    ((_, lg1), g1), ((_, lg2), g2) = out
+    np.testing.assert_array_equal(np.asarray(lg1), np.asarray(lg2))
+    for (p, a), b in zip(jax.tree_util.tree_flatten_with_path(g1)[0], jax.tree.leaves(g2)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=str(p))
+    assert float(jnp.max(jnp.abs(g1["moe_layers"]["mlp"]["gate_proj"]))) > 0
+
+
 # modules_to_save: lm_head, and the MoE layer's o_proj, which also has an adapter, beside adapters
 # on the attention projections. The MLPs have none here: PEFT 0.21 on transformers 5 DeepSeek
 # models re-targets every gate_proj / up_proj / down_proj name to the fused routed-expert
