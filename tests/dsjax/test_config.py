@@ -21,10 +21,15 @@ def test_yaml_and_set_floats(tmp_path):
     assert isinstance(cfg.optim.warmup_steps, int)
 
 
-def test_string_field_keeps_text():
+def test_string_field_keeps_text(tmp_path):
     cfg = C.load(None, ["train.run_dir=1e5", "data.cache_dir=007"])
     assert cfg.train.run_dir == "1e5"
     assert cfg.data.cache_dir == "007"
+    # the same from a YAML file, where a YAML 1.1 loader would read 1e5 as a number
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  run_dir: 1e5\ndata:\n  cache_dir: 007\n")
+    cfg = C.load(p, [])
+    assert cfg.train.run_dir == "1e5" and cfg.data.cache_dir == "007"
 
 
 def test_ints_bools_optionals_lists_nested():

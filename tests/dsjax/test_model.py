@@ -164,15 +164,22 @@ def test_rope_is_relative_and_identity_at_zero():
 
 # ---------------------------------------------------------------- balancing with padding (case 4)
 def test_balance_stats_ignore_padding():
+    """Half of each row is padding, scattered through it (not only at the tail): outputs at the
+    real positions, expert counts, router entropy, the sequence-wise aux loss and the bias
+    update equal those of the rows without the padding."""
     cfg = small_cfg(aux_loss_alpha=0.01)
     moe = MoE(cfg, rngs=nnx.Rngs(3))
     x_real = jax.random.normal(jax.random.key(4), (2, 8, 32))
-    junk = 5.0 * jax.random.normal(jax.random.key(5), (2, 8, 32))
-    x_pad = jnp.concatenate([x_real, junk], axis=1)
-    mask_pad = jnp.concatenate([jnp.ones((2, 8), bool), jnp.zeros((2, 8), bool)], axis=1)
+    junk = 5.0 * jax.random.normal(jax.random.key(5), (2, 16, 32))
+    rng = np.random.default_rng(6)
+    real_at = np.stack([np.sort(rng.choice(16, 8, replace=False)) for _ in range(2)])  # [2, 8]
+    rows = np.arange(2)[:, None]
+    x_pad = junk.at[rows, real_at].set(x_real)
+    mask_pad = jnp.zeros((2, 16), bool).at[rows, real_at].set(True)
+    assert not np.array_equal(real_at, np.tile(np.arange(8), (2, 1)))
     y1, s1 = moe(x_real, jnp.ones((2, 8), bool))
     y2, s2 = moe(x_pad, mask_pad)
-    np.testing.assert_allclose(y1, y2[:, :8], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(y1, y2[rows, real_at], rtol=1e-5, atol=1e-6)
     for k in ("expert_counts", "router_entropy", "seq_aux"):
         np.testing.assert_allclose(s1[k], s2[k], rtol=1e-6, atol=1e-7, err_msg=k)
     b = jnp.zeros(8)

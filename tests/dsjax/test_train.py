@@ -139,7 +139,10 @@ def test_fp16_nonfinite_step_is_skipped_and_scale_halves(tmp_path):
 
 
 def test_bf16_nonfinite_stops_naming_the_step(corpus, tmp_path, monkeypatch):
-    cfg = cfg_for(corpus, tmp_path, "train.steps=6", "model.dtype=bfloat16", "data.seq_len=32")
+    # the loop looks at the device-side flag every log_every = 5 steps; the message names the
+    # step whose gradients were non-finite (3), not the step at which it looked (5)
+    cfg = cfg_for(corpus, tmp_path, "train.steps=6", "model.dtype=bfloat16", "data.seq_len=32",
+                  "train.log_every=5")
     orig = loop.PackedLoader.__next__
     calls = {"n": 0}
 
