@@ -45,9 +45,11 @@ DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute
 RECOMPUTE_SAVES = ("moe_gate", "moe_up", "moe_out", "lora_t")
 
 
-def recompute_policy():
-    """The `jax.checkpoint` policy of `model.moe_recompute`: save only RECOMPUTE_SAVES."""
-    return jax.checkpoint_policies.save_only_these_names(*RECOMPUTE_SAVES)
+def with_recompute(fn, recompute: bool):
+    """fn under `jax.checkpoint` saving only RECOMPUTE_SAVES (`model.moe_recompute`), else fn."""
+    if not recompute:
+        return fn
+    return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*RECOMPUTE_SAVES))
 
 
 def default_chunk_tokens(m: int, k: int, d: int, itemsize: int,
@@ -161,8 +163,7 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
         n_chunks = m // c
         keys = None if lkey is None else jax.random.split(lkey, n_chunks)
         if c == m:
-            step = jax.checkpoint(local, policy=recompute_policy()) if recompute else local
-            y = step((xf, idf, wf, None if keys is None else keys[0]))
+            y = with_recompute(local, recompute)((xf, idf, wf, None if keys is None else keys[0]))
         else:  # one chunk per step; its intermediates are recomputed in the backward
             split = lambda a: a.reshape(m // c, c, *a.shape[1:])  # noqa: E731
             y = jax.lax.map(jax.checkpoint(local), (split(xf), split(idf), split(wf), keys))

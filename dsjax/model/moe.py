@@ -20,9 +20,9 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.layers import MLP, dtype_of
 from dsjax.model.lora import dropout_key_data, expert_matmul
-from pallas_kernels.moe import grouped_matmul, permute, unpermute
+from pallas_kernels.moe import permute, unpermute
 from sharding import rules as shr
-from sharding.expert_parallel import moe_from_context, recompute_policy
+from sharding.expert_parallel import moe_from_context, with_recompute
 
 
 class RouterBias(nnx.Variable):
@@ -124,18 +124,17 @@ class MoE(nnx.Module):
         c = self.cfg
         dt = dtype_of(c.dtype)
         xs, group_sizes, perm = permute(xt.astype(dt), ids, num_experts=c.n_routed_experts, impl=c.moe_impl)
+        pairs, s, rate = (None, None, None), 1.0, 0.0
         if self.experts is not None:  # LoRA: each projection plus its per-expert adapter
-            (pg, pu, pd), s = self.experts.pairs(dt)
+            pairs, s = self.experts.pairs(dt)
             rate = self.experts.rate()
-            g = expert_matmul(xs, self.gate_proj[...].astype(dt), pg, group_sizes, s, c.moe_impl, rate)
-            u = expert_matmul(xs, self.up_proj[...].astype(dt), pu, group_sizes, s, c.moe_impl, rate)
-            h = jax.nn.silu(checkpoint_name(g, "moe_gate")) * checkpoint_name(u, "moe_up")
-            y = expert_matmul(h, self.down_proj[...].astype(dt), pd, group_sizes, s, c.moe_impl, rate)
-            return unpermute(checkpoint_name(y, "moe_out"), perm, weights, impl=c.moe_impl)
-        g = grouped_matmul(xs, self.gate_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
-        u = grouped_matmul(xs, self.up_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+
+        def proj(x, w, pair):
+            return expert_matmul(x, w[...].astype(dt), pair, group_sizes, s, c.moe_impl, rate)
+        g = proj(xs, self.gate_proj, pairs[0])
+        u = proj(xs, self.up_proj, pairs[1])
         h = jax.nn.silu(checkpoint_name(g, "moe_gate")) * checkpoint_name(u, "moe_up")
-        y = grouped_matmul(h, self.down_proj[...].astype(dt), group_sizes, impl=c.moe_impl)
+        y = proj(h, self.down_proj, pairs[2])
         return unpermute(checkpoint_name(y, "moe_out"), perm, weights, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):
@@ -165,10 +164,7 @@ class MoE(nnx.Module):
                                    impl=c.moe_impl, dtype=dt, lora=lora,
                                    recompute=c.moe_recompute).astype(dt)
         else:
-            routed = self._routed
-            if c.moe_recompute:
-                routed = jax.checkpoint(routed, policy=recompute_policy())
-            out = routed(xt, ids, weights).reshape(B, T, D)
+            out = with_recompute(self._routed, c.moe_recompute)(xt, ids, weights).reshape(B, T, D)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         counts, entropy, seq_aux = balance_stats(ids, scores, token_mask.reshape(-1), c, (B, T))
