@@ -33,16 +33,18 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import grouped_lora_delta, grouped_matmul, lora_dropout, permute, unpermute
+from pallas_kernels.moe import (grouped_lora_delta, grouped_matmul, lora_dropout, permute, unpermute_sum,
+                                weighted_swiglu)
 
 EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
 
 
 # What the routed block keeps for its backward under recompute (`model.moe_recompute`): the
-# gate/up GEMM outputs, the expert outputs and the adapters' x A (named where they are made); the
-# permuted tokens [M*K, D] and the SwiGLU output [M*K, F] are recomputed.
-RECOMPUTE_SAVES = ("moe_gate", "moe_up", "moe_out", "lora_t")
+# gate/up GEMM outputs and the adapters' x A (named where they are made); the permuted tokens
+# [M*K, D] and the weighted SwiGLU output [M*K, F] are recomputed. The expert outputs are not
+# needed: the routing weights scale the down projection's input (`weighted_swiglu`).
+RECOMPUTE_SAVES = ("moe_gate", "moe_up", "lora_t")
 
 
 def with_recompute(fn, recompute: bool):
@@ -91,12 +93,13 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
             g = g + grouped_lora_delta(xd, pg[0], pg[1], gs, scale=s, impl=impl)
         if pu is not None:
             u = u + grouped_lora_delta(xd, pu[0], pu[1], gs, scale=s, impl=impl)
-    h = jax.nn.silu(checkpoint_name(g, "moe_gate")) * checkpoint_name(u, "moe_up")
+    w_rows = jnp.take(w.reshape(-1), perm)  # each sorted row's routing weight (0: routed elsewhere)
+    h = weighted_swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
     y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
     if lora is not None and pd is not None:
         hd = lora_dropout(h, lora["rate"], keys[2])
         y = y + grouped_lora_delta(hd, pd[0], pd[1], gs, scale=s, impl=impl)
-    return unpermute(checkpoint_name(y, "moe_out"), perm, w, impl=impl).astype(jnp.float32)
+    return unpermute_sum(y, perm, ids.shape[1], impl=impl).astype(jnp.float32)
 
 
 def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_axes=(), seq_axes=(),

@@ -20,7 +20,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.layers import MLP, dtype_of
 from dsjax.model.lora import dropout_key_data, expert_matmul
-from pallas_kernels.moe import permute, unpermute
+from pallas_kernels.moe import permute, unpermute_sum, weighted_swiglu
 from sharding import rules as shr
 from sharding.expert_parallel import moe_from_context, with_recompute
 
@@ -133,9 +133,10 @@ class MoE(nnx.Module):
             return expert_matmul(x, w[...].astype(dt), pair, group_sizes, s, c.moe_impl, rate)
         g = proj(xs, self.gate_proj, pairs[0])
         u = proj(xs, self.up_proj, pairs[1])
-        h = jax.nn.silu(checkpoint_name(g, "moe_gate")) * checkpoint_name(u, "moe_up")
+        w_rows = jnp.take(weights.reshape(-1), perm)  # each sorted row's routing weight
+        h = weighted_swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
         y = proj(h, self.down_proj, pairs[2])
-        return unpermute(checkpoint_name(y, "moe_out"), perm, weights, impl=c.moe_impl)
+        return unpermute_sum(y, perm, c.num_experts_per_tok, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):
         """x [B, T, D]; token_mask [B, T] bool -> (y [B, T, D], stats dict)."""

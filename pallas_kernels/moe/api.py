@@ -15,7 +15,8 @@ permute: "reference" is a stable argsort + XLA row gather; "pallas" (and "auto" 
 a stable counting sort (dispatch.py, same perm) + a Mosaic GPU row-scatter kernel that reads
 each token row once and writes its K copies. Its gradient is a K-row gather + fp32 sum per
 token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend; gradients
-are inverse gathers (no scatter-add).
+are inverse gathers (no scatter-add). The model scales rows by their routing weight before the
+down projection (`weighted_swiglu`) and combines with the unweighted `unpermute_sum`.
 
 gate_up_swiglu: the expert gate/up projection with SwiGLU fused into the Mosaic GPU kernel's
 epilogue (weights gate/up interleaved in 64-column blocks); its backward is an XLA SwiGLU
@@ -97,11 +98,15 @@ def _gather_rows_fwd(x, perm, k):
     return _gather_rows(x, perm, k), perm
 
 
-def _gather_rows_bwd(k, perm, g):
+def _sum_copies(y, perm, k):
+    """y [T*K, N] sorted rows -> [T, N]: each token's K copies summed in fp32 (y.dtype out)."""
     inv = inverse_permutation(perm)
     t = perm.shape[0] // k
-    dx = jnp.take(g, inv, axis=0).reshape(t, k, -1).astype(jnp.float32).sum(axis=1)
-    return dx.astype(g.dtype), None
+    return jnp.take(y, inv, axis=0).reshape(t, k, -1).astype(jnp.float32).sum(axis=1).astype(y.dtype)
+
+
+def _gather_rows_bwd(k, perm, g):
+    return _sum_copies(g, perm, k), None
 
 
 _gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
@@ -333,6 +338,78 @@ def _combine_bwd(res, g):
 
 
 _combine.defvjp(_combine_fwd, _combine_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _sum_rows(y, perm, k):
+    return _sum_copies(y, perm, k)
+
+
+def _sum_rows_fwd(y, perm, k):
+    return _sum_copies(y, perm, k), perm
+
+
+def _sum_rows_bwd(k, perm, g):
+    return jnp.take(g, perm // k, axis=0), None
+
+
+_sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
+
+
+def unpermute_sum(y, perm, k, *, impl="auto"):
+    """Unweighted combine back to token order: out[t] = sum_k y[slot(t, k)].
+
+    For rows already scaled by their routing weight (`weighted_swiglu` before the down
+    projection: (w h) W = w (h W) row by row), so the backward keeps only `perm`, not y.
+
+    Args:
+      y: [T*K, N] rows sorted by expert; perm: [T*K] int32 from `permute`; k: K.
+    Returns:
+      [T, N] in y.dtype, summed in fp32. Gradient: dy[i] = dout[perm[i] // K] (a row gather).
+    """
+    _check(impl)
+    return _sum_rows(y, perm, k)
+
+
+def _swiglu_rows(g, u, w):
+    g32 = g.astype(jnp.float32)
+    return (jax.nn.silu(g32) * u.astype(jnp.float32) * w.astype(jnp.float32)[:, None]).astype(g.dtype)
+
+
+def _weighted_swiglu_fwd(g, u, w):
+    return _swiglu_rows(g, u, w), (g, u, w)
+
+
+def _weighted_swiglu_bwd(res, dh):
+    g, u, w = res
+    g32, u32, d = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
+    sg = jax.nn.sigmoid(g32)
+    silu = g32 * sg
+    dw = jnp.sum(d * silu * u32, axis=-1)
+    da = d * w.astype(jnp.float32)[:, None]
+    dg = da * u32 * sg * (1.0 + g32 * (1.0 - sg))
+    return dg.astype(g.dtype), (da * silu).astype(u.dtype), dw.astype(w.dtype)
+
+
+_weighted_swiglu = jax.custom_vjp(_swiglu_rows)
+_weighted_swiglu.defvjp(_weighted_swiglu_fwd, _weighted_swiglu_bwd)
+
+
+def weighted_swiglu(g, u, w):
+    """Each routed row's SwiGLU scaled by its routing weight: h = silu(g) * u * w[:, None].
+
+    Scaling the down projection's input instead of its output is exact in real arithmetic
+    ((w h) W = w (h W)) and lets the combine be `unpermute_sum`: no [T*K, D] expert output is
+    kept for the weights' gradient, which is dw = sum_n dh * silu(g) * u instead.
+
+    Args:
+      g, u: [M, F] gate / up projections (any float dtype); w: [M] routing weight of each row
+        (`jnp.take(topk_weights.reshape(-1), perm)`), any float dtype.
+    Returns:
+      h [M, F] in g.dtype, fp32 math. Custom VJP keeping only (g, u, w): dg, du, dw in the
+      inputs' dtypes; d/dg = dh w u s (1 + g (1 - s)), d/du = dh w silu(g), s = sigmoid(g).
+    """
+    return _weighted_swiglu(g, u, w)
 
 
 def unpermute(y, perm, topk_weights, *, impl="auto"):

@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _hopper
-from pallas_kernels.moe import gate_up_swiglu, grouped_matmul, permute, unpermute
+from pallas_kernels.moe import (gate_up_swiglu, grouped_matmul, permute, unpermute, unpermute_sum,
+                                weighted_swiglu)
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference)
@@ -93,6 +94,58 @@ def test_reference_matches_naive_formula(kind, t, k, e):
     g_ref = jax.grad(loss(naive_moe), argnums=(0, 1, 2, 4))(*args)
     for name, go, gr in zip(("dx", "dw_up", "dw_down", "dp"), g_out, g_ref):
         assert rel_err(go, gr) < 1e-5, name
+
+
+@pytest.mark.parametrize("kind", ["uniform", "zipf"])
+def test_weights_before_down_equal_weighted_combine(kind):
+    """The model's order (rows scaled by their routing weight in `weighted_swiglu`, then the
+    down projection, then `unpermute_sum`) against the weighted combine of the expert outputs
+    (`unpermute`): fp32 forward and every gradient, also through routing weights of 0."""
+    t, k, e, d, f = 40, 6, 16, 24, 32
+    keys = jax.random.split(jax.random.key(7), 5)
+    x = jax.random.normal(keys[0], (t, d))
+    wg, wu = (jax.random.normal(kk, (e, d, f)) / 4 for kk in keys[1:3])
+    wd = jax.random.normal(keys[3], (e, f, d)) / 4
+    ids = routing(kind, t, k, e, seed=11)
+    p = jax.nn.softmax(jax.random.normal(keys[4], (t, k))).at[::5, 0].set(0.0)
+
+    def expert_rows(x, wg, wu):
+        xs, gs, perm = permute(x, ids, num_experts=e, impl="reference")
+        return grouped_matmul(xs, wg, gs, impl="reference"), grouped_matmul(xs, wu, gs, impl="reference"), gs, perm
+
+    def weighted_after(x, wg, wu, wd, p):
+        g, u, gs, perm = expert_rows(x, wg, wu)
+        y = grouped_matmul(jax.nn.silu(g) * u, wd, gs, impl="reference")
+        return unpermute(y, perm, p, impl="reference")
+
+    def weighted_before(x, wg, wu, wd, p):
+        g, u, gs, perm = expert_rows(x, wg, wu)
+        h = weighted_swiglu(g, u, jnp.take(p.reshape(-1), perm))
+        return unpermute_sum(grouped_matmul(h, wd, gs, impl="reference"), perm, k)
+
+    args = (x, wg, wu, wd, p)
+    assert rel_err(weighted_before(*args), weighted_after(*args)) < 1e-6
+    loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))
+    got = jax.grad(loss(weighted_before), argnums=range(5))(*args)
+    want = jax.grad(loss(weighted_after), argnums=range(5))(*args)
+    for name, a, b in zip(("dx", "dw_gate", "dw_up", "dw_down", "dp"), got, want):
+        assert rel_err(a, b) < 1e-5, name
+
+
+def test_weighted_swiglu_vjp_matches_autodiff_bf16():
+    """The custom VJP (residuals g, u, w only) against autodiff of the fp32 formula, bf16 in/out."""
+    m, f = 96, 64
+    keys = jax.random.split(jax.random.key(3), 4)
+    g, u = (jax.random.normal(kk, (m, f)).astype(jnp.bfloat16) * 2 for kk in keys[:2])
+    w = jax.random.uniform(keys[2], (m,))
+    dh = jax.random.normal(keys[3], (m, f)).astype(jnp.bfloat16)
+    formula = lambda g, u, w: jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32) * w[:, None]
+    out, vjp = jax.vjp(weighted_swiglu, g, u, w)
+    ref, vjp_ref = jax.vjp(formula, g, u, w)
+    assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 4e-3
+    for name, a, b in zip(("dg", "du", "dw"), vjp(dh), vjp_ref(dh.astype(jnp.float32))):
+        assert a.dtype == {"dw": jnp.float32}.get(name, jnp.bfloat16), name
+        assert rel_err(a, b) < 4e-3, name
 
 
 def test_permute_unpermute_round_trip_exact():
