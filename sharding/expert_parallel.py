@@ -34,7 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.moe import (grouped_lora_delta, grouped_matmul, lora_dropout, permute, unpermute_sum,
-                                weighted_swiglu)
+                                swiglu)
 
 EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
@@ -43,7 +43,7 @@ DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute
 # What the routed block keeps for its backward under recompute (`model.moe_recompute`): the
 # gate/up GEMM outputs and the adapters' x A (named where they are made); the permuted tokens
 # [M*K, D] and the weighted SwiGLU output [M*K, F] are recomputed. The expert outputs are not
-# needed: the routing weights scale the down projection's input (`weighted_swiglu`).
+# needed: the routing weights scale the down projection's input (`swiglu`).
 RECOMPUTE_SAVES = ("moe_gate", "moe_up", "lora_t")
 
 
@@ -94,7 +94,7 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
         if pu is not None:
             u = u + grouped_lora_delta(xd, pu[0], pu[1], gs, scale=s, impl=impl)
     w_rows = jnp.take(w.reshape(-1), perm)  # each sorted row's routing weight (0: routed elsewhere)
-    h = weighted_swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
+    h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
     y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
     if lora is not None and pd is not None:
         hd = lora_dropout(h, lora["rate"], keys[2])

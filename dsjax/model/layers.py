@@ -18,6 +18,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.rope import apply_rope
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.moe import swiglu
 from sharding import rules as shr
 from sharding.ring_attention import context_attention, local_attention
 
@@ -64,7 +65,8 @@ class RMSNorm(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """SwiGLU: down(silu(gate(x)) * up(x)); x [..., D] -> [..., D]."""
+    """SwiGLU: down(silu(gate(x)) * up(x)); x [..., D] -> [..., D]. The activation is
+    `pallas_kernels.moe.swiglu` (fp32 math; its backward keeps only the two projections)."""
 
     def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
         D = cfg.hidden_size
@@ -73,7 +75,7 @@ class MLP(nnx.Module):
         self.down_proj = Linear(width, D, ("mlp", "embed"), cfg, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class MLA(nnx.Module):

@@ -16,7 +16,7 @@ a stable counting sort (dispatch.py, same perm) + a Mosaic GPU row-scatter kerne
 each token row once and writes its K copies. Its gradient is a K-row gather + fp32 sum per
 token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend; gradients
 are inverse gathers (no scatter-add). The model scales rows by their routing weight before the
-down projection (`weighted_swiglu`) and combines with the unweighted `unpermute_sum`.
+down projection (`swiglu(g, u, w)`) and combines with the unweighted `unpermute_sum`.
 
 gate_up_swiglu: the expert gate/up projection with SwiGLU fused into the Mosaic GPU kernel's
 epilogue (weights gate/up interleaved in 64-column blocks); its backward is an XLA SwiGLU
@@ -359,7 +359,7 @@ _sum_rows.defvjp(_sum_rows_fwd, _sum_rows_bwd)
 def unpermute_sum(y, perm, k, *, impl="auto"):
     """Unweighted combine back to token order: out[t] = sum_k y[slot(t, k)].
 
-    For rows already scaled by their routing weight (`weighted_swiglu` before the down
+    For rows already scaled by their routing weight (`swiglu(g, u, w)` before the down
     projection: (w h) W = w (h W) row by row), so the backward keeps only `perm`, not y.
 
     Args:
@@ -371,45 +371,68 @@ def unpermute_sum(y, perm, k, *, impl="auto"):
     return _sum_rows(y, perm, k)
 
 
-def _swiglu_rows(g, u, w):
-    g32 = g.astype(jnp.float32)
-    return (jax.nn.silu(g32) * u.astype(jnp.float32) * w.astype(jnp.float32)[:, None]).astype(g.dtype)
-
-
-def _weighted_swiglu_fwd(g, u, w):
-    return _swiglu_rows(g, u, w), (g, u, w)
-
-
-def _weighted_swiglu_bwd(res, dh):
-    g, u, w = res
-    g32, u32, d = g.astype(jnp.float32), u.astype(jnp.float32), dh.astype(jnp.float32)
+def _swiglu_grads(g, u, da):
+    """fp32 (d/dg, d/du, silu(g) * u) of silu(g) * u for the fp32 cotangent da."""
+    g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
     sg = jax.nn.sigmoid(g32)
     silu = g32 * sg
-    dw = jnp.sum(d * silu * u32, axis=-1)
-    da = d * w.astype(jnp.float32)[:, None]
-    dg = da * u32 * sg * (1.0 + g32 * (1.0 - sg))
-    return dg.astype(g.dtype), (da * silu).astype(u.dtype), dw.astype(w.dtype)
+    return da * u32 * sg * (1.0 + g32 * (1.0 - sg)), da * silu, silu * u32
 
 
-_weighted_swiglu = jax.custom_vjp(_swiglu_rows)
-_weighted_swiglu.defvjp(_weighted_swiglu_fwd, _weighted_swiglu_bwd)
+@jax.custom_vjp
+def _swiglu(g, u):
+    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
 
 
-def weighted_swiglu(g, u, w):
-    """Each routed row's SwiGLU scaled by its routing weight: h = silu(g) * u * w[:, None].
+def _swiglu_fwd(g, u):
+    return _swiglu(g, u), (g, u)
 
-    Scaling the down projection's input instead of its output is exact in real arithmetic
-    ((w h) W = w (h W)) and lets the combine be `unpermute_sum`: no [T*K, D] expert output is
-    kept for the weights' gradient, which is dw = sum_n dh * silu(g) * u instead.
+
+def _swiglu_bwd(res, dh):
+    g, u = res
+    dg, du, _ = _swiglu_grads(g, u, dh.astype(jnp.float32))
+    return dg.astype(g.dtype), du.astype(u.dtype)
+
+
+_swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@jax.custom_vjp
+def _swiglu_weighted(g, u, w):
+    g32 = g.astype(jnp.float32)
+    return (jax.nn.silu(g32) * u.astype(jnp.float32) * w.astype(jnp.float32)[..., None]).astype(g.dtype)
+
+
+def _swiglu_weighted_fwd(g, u, w):
+    return _swiglu_weighted(g, u, w), (g, u, w)
+
+
+def _swiglu_weighted_bwd(res, dh):
+    g, u, w = res
+    d = dh.astype(jnp.float32)
+    dg, du, a = _swiglu_grads(g, u, d * w.astype(jnp.float32)[..., None])
+    return dg.astype(g.dtype), du.astype(u.dtype), jnp.sum(d * a, axis=-1).astype(w.dtype)
+
+
+_swiglu_weighted.defvjp(_swiglu_weighted_fwd, _swiglu_weighted_bwd)
+
+
+def swiglu(g, u, w=None):
+    """SwiGLU of gate and up projections, optionally scaled per row: h = silu(g) * u (* w[..., None]).
+
+    With w, the routed experts' rows carry their routing weight into the down projection: exact
+    in real arithmetic ((w h) W = w (h W)), so the combine is `unpermute_sum` and no [T*K, D]
+    expert output is kept for the weights' gradient, which is dw = sum_n dh * silu(g) * u.
 
     Args:
-      g, u: [M, F] gate / up projections (any float dtype); w: [M] routing weight of each row
-        (`jnp.take(topk_weights.reshape(-1), perm)`), any float dtype.
+      g, u: [..., F] gate / up projections (any float dtype); w: None or [...] routing weight of
+        each row (`jnp.take(topk_weights.reshape(-1), perm)`), any float dtype.
     Returns:
-      h [M, F] in g.dtype, fp32 math. Custom VJP keeping only (g, u, w): dg, du, dw in the
-      inputs' dtypes; d/dg = dh w u s (1 + g (1 - s)), d/du = dh w silu(g), s = sigmoid(g).
+      h [..., F] in g.dtype, fp32 math. Custom VJP whose only residuals are g, u (and w):
+      d/dg = dh w u s (1 + g (1 - s)), d/du = dh w silu(g), s = sigmoid(g); gradients in the
+      inputs' dtypes. Autodiff of the formula would also keep sigmoid(g) and silu(g).
     """
-    return _weighted_swiglu(g, u, w)
+    return _swiglu(g, u) if w is None else _swiglu_weighted(g, u, w)
 
 
 def unpermute(y, perm, topk_weights, *, impl="auto"):

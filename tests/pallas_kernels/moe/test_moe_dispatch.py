@@ -9,7 +9,7 @@ import jax.numpy as jnp
 
 from pallas_kernels import _hopper
 from pallas_kernels.moe import (gate_up_swiglu, grouped_matmul, permute, unpermute, unpermute_sum,
-                                weighted_swiglu)
+                                swiglu)
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference)
@@ -98,7 +98,7 @@ def test_reference_matches_naive_formula(kind, t, k, e):
 
 @pytest.mark.parametrize("kind", ["uniform", "zipf"])
 def test_weights_before_down_equal_weighted_combine(kind):
-    """The model's order (rows scaled by their routing weight in `weighted_swiglu`, then the
+    """The model's order (rows scaled by their routing weight in `swiglu`, then the
     down projection, then `unpermute_sum`) against the weighted combine of the expert outputs
     (`unpermute`): fp32 forward and every gradient, also through routing weights of 0."""
     t, k, e, d, f = 40, 6, 16, 24, 32
@@ -120,7 +120,7 @@ def test_weights_before_down_equal_weighted_combine(kind):
 
     def weighted_before(x, wg, wu, wd, p):
         g, u, gs, perm = expert_rows(x, wg, wu)
-        h = weighted_swiglu(g, u, jnp.take(p.reshape(-1), perm))
+        h = swiglu(g, u, jnp.take(p.reshape(-1), perm))
         return unpermute_sum(grouped_matmul(h, wd, gs, impl="reference"), perm, k)
 
     args = (x, wg, wu, wd, p)
@@ -132,16 +132,20 @@ def test_weights_before_down_equal_weighted_combine(kind):
         assert rel_err(a, b) < 1e-5, name
 
 
-def test_weighted_swiglu_vjp_matches_autodiff_bf16():
-    """The custom VJP (residuals g, u, w only) against autodiff of the fp32 formula, bf16 in/out."""
-    m, f = 96, 64
+@pytest.mark.parametrize("weighted", [False, True])
+def test_swiglu_vjp_matches_autodiff_bf16(weighted):
+    """The custom VJP (residuals g, u, w only) against autodiff of the fp32 formula, bf16 in/out,
+    with leading batch dims."""
+    shape = (3, 32, 64)
     keys = jax.random.split(jax.random.key(3), 4)
-    g, u = (jax.random.normal(kk, (m, f)).astype(jnp.bfloat16) * 2 for kk in keys[:2])
-    w = jax.random.uniform(keys[2], (m,))
-    dh = jax.random.normal(keys[3], (m, f)).astype(jnp.bfloat16)
-    formula = lambda g, u, w: jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32) * w[:, None]
-    out, vjp = jax.vjp(weighted_swiglu, g, u, w)
-    ref, vjp_ref = jax.vjp(formula, g, u, w)
+    g, u = (jax.random.normal(kk, shape).astype(jnp.bfloat16) * 2 for kk in keys[:2])
+    w = jax.random.uniform(keys[2], shape[:-1])
+    dh = jax.random.normal(keys[3], shape).astype(jnp.bfloat16)
+    formula = lambda g, u, *w: (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
+                                * (w[0][..., None] if w else 1.0))
+    args = (g, u, w) if weighted else (g, u)
+    out, vjp = jax.vjp(swiglu, *args)
+    ref, vjp_ref = jax.vjp(formula, *args)
     assert out.dtype == jnp.bfloat16 and rel_err(out, ref) < 4e-3
     for name, a, b in zip(("dg", "du", "dw"), vjp(dh), vjp_ref(dh.astype(jnp.float32))):
         assert a.dtype == {"dw": jnp.float32}.get(name, jnp.bfloat16), name
