@@ -40,15 +40,17 @@ EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
 
 
-# What the routed block keeps for its backward under recompute (`model.moe_recompute`): the
-# gate/up GEMM outputs and the adapters' x A (named where they are made); the permuted tokens
-# [M*K, D] and the weighted SwiGLU output [M*K, F] are recomputed. The expert outputs are not
-# needed: the routing weights scale the down projection's input (`swiglu`).
-RECOMPUTE_SAVES = ("moe_gate", "moe_up", "lora_t")
+# What an MoE block keeps for its backward under recompute (`model.moe_recompute`): the routed
+# and shared experts' gate/up GEMM outputs and the routed adapters' x A (rank r, unpadded), named
+# where they are made; the permuted tokens [M*K, D], the SwiGLU outputs and the dense adapters'
+# products are recomputed. The expert outputs are not needed: the routing weights scale the down
+# projection's input (`swiglu(g, u, w)`).
+RECOMPUTE_SAVES = ("moe_gate", "moe_up", "mlp_gate", "mlp_up", "lora_t")
 
 
 def with_recompute(fn, recompute: bool):
-    """fn under `jax.checkpoint` saving only RECOMPUTE_SAVES (`model.moe_recompute`), else fn."""
+    """fn (the routed or the shared experts of an MoE block) under `jax.checkpoint` saving only
+    RECOMPUTE_SAVES (`model.moe_recompute`), else fn."""
     if not recompute:
         return fn
     return jax.checkpoint(fn, policy=jax.checkpoint_policies.save_only_these_names(*RECOMPUTE_SAVES))

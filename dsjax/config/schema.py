@@ -73,7 +73,7 @@ class ModelConfig:
     attention_impl: str = "auto"  # auto | pallas | reference
     moe_impl: str = "auto"  # auto | pallas | reference
     remat: str = "none"  # none | full | dots_saveable
-    moe_recompute: bool = False  # routed experts keep their GEMM outputs for the backward and recompute the token permutation and SwiGLU (less activation memory)
+    moe_recompute: bool = False  # MoE blocks keep only the experts' gate/up GEMM outputs (and routed adapters' x A) for the backward and recompute the token permutation, SwiGLU and dense adapters (less activation memory)
     scan_layers: bool = False  # unrolled layers (faster: no stacked residual or gradient buffers); True: lax.scan over each stack (compile time independent of depth)
     router_bias_update_rate: float = 1e-3  # noaux_tc bias step (DeepSeek-V3 sec. 2.1.2, gamma)
     aux_loss_alpha: float = 0.0  # sequence-wise balance loss weight (DeepSeek-V3 eq. 17-20)

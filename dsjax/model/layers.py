@@ -12,6 +12,7 @@ Maths: DeepSeek-V2 paper sec. 2.1 (MLA); transformers/models/deepseek_v3/modelin
 from __future__ import annotations
 
 import jax
+from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from flax import nnx
 
@@ -66,7 +67,8 @@ class RMSNorm(nnx.Module):
 
 class MLP(nnx.Module):
     """SwiGLU: down(silu(gate(x)) * up(x)); x [..., D] -> [..., D]. The activation is
-    `pallas_kernels.moe.swiglu` (fp32 math; its backward keeps only the two projections)."""
+    `pallas_kernels.moe.swiglu` (fp32 math; its backward keeps only the two projections, named
+    `mlp_gate` / `mlp_up` for the shared experts' recompute under `model.moe_recompute`)."""
 
     def __init__(self, cfg: ModelConfig, width: int, *, rngs: nnx.Rngs):
         D = cfg.hidden_size
@@ -75,7 +77,8 @@ class MLP(nnx.Module):
         self.down_proj = Linear(width, D, ("mlp", "embed"), cfg, rngs=rngs)
 
     def __call__(self, x):
-        return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+        g = checkpoint_name(self.gate_proj(x), "mlp_gate")
+        return self.down_proj(swiglu(g, checkpoint_name(self.up_proj(x), "mlp_up")))
 
 
 class MLA(nnx.Module):

@@ -167,7 +167,7 @@ class MoE(nnx.Module):
         else:
             out = with_recompute(self._routed, c.moe_recompute)(xt, ids, weights).reshape(B, T, D)
         if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
+            out = out + with_recompute(self.shared_experts, c.moe_recompute)(x)
         counts, entropy, seq_aux = balance_stats(ids, scores, token_mask.reshape(-1), c, (B, T))
         return out.astype(dt), {"expert_counts": counts, "router_entropy": entropy, "seq_aux": seq_aux}
 

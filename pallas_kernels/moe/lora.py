@@ -77,8 +77,9 @@ def grouped_lora_delta(x, a, b, group_sizes, *, scale: float, impl: str = "auto"
     if rp != r:
         a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
         b = jnp.pad(b, ((0, 0), (0, rp - r), (0, 0)))
-    # named for remat policies (`jax.checkpoint_policies.save_only_these_names`)
     t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
-    t = checkpoint_name(t, "lora_t")
+    # named for remat policies (`jax.checkpoint_policies.save_only_these_names`): only the r real
+    # columns (the padded ones are exact zeros), padded again for the second GEMM
+    t = jnp.pad(checkpoint_name(t[:, :r], "lora_t"), ((0, 0), (0, rp - r)))
     y = api.grouped_matmul(t, b, group_sizes, impl=_impl_for(impl, t, b))
     return y * jnp.asarray(scale, y.dtype)
