@@ -11,6 +11,8 @@ Maths: DeepSeek-V2 paper sec. 2.1 (MLA); transformers/models/deepseek_v3/modelin
 """
 from __future__ import annotations
 
+import functools
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
@@ -51,18 +53,50 @@ class Linear(nnx.Module):
         return y
 
 
+def _rms_norm_fwd(x, w, eps):
+    xf = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return w.astype(x.dtype) * (xf * r).astype(x.dtype), (x, w, r)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def rms_norm(x, w, eps):
+    """HF `DeepseekV3RMSNorm`: w * (x * rsqrt(mean(x^2, -1) + eps)), the statistics in fp32 and
+    the normalised x cast to x.dtype before the weight multiply.
+
+    x: [..., D] (any float dtype); w: [D]; eps: float. Returns [..., D] in x.dtype.
+    Custom VJP: the residuals are x, w and the fp32 [..., 1] factor r; the backward recomputes
+    the normalised x and gives dx = r (g - x r^2 mean(g x)) with g = dout * w (rounded to
+    x.dtype, as autodiff of the forward rounds it) in fp32, and dw = sum(dout * x r) over the
+    leading dims in fp32.
+    """
+    return _rms_norm_fwd(x, w, eps)[0]
+
+
+def _rms_norm_bwd(eps, res, dout):
+    x, w, r = res
+    xf = x.astype(jnp.float32)
+    g = (dout * w.astype(x.dtype)).astype(jnp.float32)
+    dx = r * (g - xf * (r * r) * jnp.mean(g * xf, axis=-1, keepdims=True))
+    y = (xf * r).astype(x.dtype).astype(jnp.float32)
+    lead = tuple(range(x.ndim - 1))
+    dw = jnp.sum(dout.astype(jnp.float32) * y, axis=lead)
+    return dx.astype(x.dtype), dw.astype(w.dtype)
+
+
+rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
+
+
 class RMSNorm(nnx.Module):
     """weight * (x * rsqrt(mean(x^2) + eps)) with fp32 statistics, cast to the input dtype before
-    the weight multiply (HF `DeepseekV3RMSNorm`)."""
+    the weight multiply (HF `DeepseekV3RMSNorm`; `rms_norm`)."""
 
     def __init__(self, dim: int, eps: float, cfg: ModelConfig):
         self.weight = nnx.Param(jnp.ones((dim,), dtype_of(cfg.weight_dtype)), out_sharding=("norm",))
         self.eps = eps
 
     def __call__(self, x):
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class MLP(nnx.Module):

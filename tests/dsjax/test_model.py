@@ -301,3 +301,29 @@ def test_split_layers_equals_unstack_values_and_gradients():
     assert "optimization_barrier" in str(jax.make_jaxpr(jax.grad(f(split_layers)))(x))
     ids = jnp.arange(6, dtype=jnp.int32).reshape(3, 2)  # non-float leaves split plainly
     assert [t.tolist() for t in split_layers(ids)] == [[0, 1], [2, 3], [4, 5]]
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rms_norm_vjp_matches_float64(dtype):
+    """`rms_norm`'s forward and custom VJP against float64 maths on the same rounded values:
+    the output (HF's rounding: the normalised x cast to x.dtype before the weight), dx and dw
+    (fp32 sums) on random inputs, [B, T, D] with a non-unit weight."""
+    from dsjax.model.layers import rms_norm
+    k = jax.random.split(jax.random.key(3), 3)
+    dt = jnp.dtype(dtype)
+    x = (jax.random.normal(k[0], (2, 48, 256)) * 3).astype(dt)
+    w = 1 + 0.1 * jax.random.normal(k[1], (256,))
+    c = jax.random.normal(k[2], (2, 48, 256)).astype(dt)
+    out, vjp = jax.vjp(lambda x, w: rms_norm(x, w, 1e-6), x, w)
+    dx, dw = vjp(c)
+    assert out.dtype == dx.dtype == dt and dw.dtype == jnp.float32
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    xf, cf, wf = f64(x), f64(c), f64(w)
+    r = 1 / np.sqrt((xf ** 2).mean(-1, keepdims=True) + 1e-6)
+    y = f64(jnp.asarray(xf * r, jnp.float32).astype(dt))  # the normalised x as the forward rounds it
+    g = f64(jnp.asarray(cf, jnp.float32).astype(dt) * jnp.asarray(w, jnp.float32).astype(dt))
+    rel = lambda a, b: np.linalg.norm(f64(a) - b) / np.linalg.norm(b)  # noqa: E731
+    tol = 1e-6 if dtype == "float32" else 1e-2
+    assert rel(out, f64(jnp.asarray(w, jnp.float32).astype(dt)) * y) < tol
+    assert rel(dx, r * (g - xf * r ** 2 * (g * xf).mean(-1, keepdims=True))) < tol
+    assert rel(dw, (cf * y).sum((0, 1))) < 1e-6  # fp32 sums in both dtypes
