@@ -89,14 +89,25 @@ rms_norm.defvjp(_rms_norm_fwd, _rms_norm_bwd)
 
 class RMSNorm(nnx.Module):
     """weight * (x * rsqrt(mean(x^2) + eps)) with fp32 statistics, cast to the input dtype before
-    the weight multiply (HF `DeepseekV3RMSNorm`; `rms_norm`)."""
+    the weight multiply (HF `DeepseekV3RMSNorm`).
+
+    With `model.scan_layers` it is `rms_norm`, whose custom VJP keeps x in its own dtype: autodiff
+    of the formula keeps the fp32 copy of x, and under `lax.scan` that becomes an fp32 residual
+    stack per norm (2.3 GB at 27 V2-Lite layers x 8192 tokens, measured on the H200). Unrolled,
+    XLA already rebuilds the fp32 x inside the backward's fusions, and the formula's autodiff
+    measured 0.2 GB lower than the custom VJP (4 layers); the two agree to fp32 rounding."""
 
     def __init__(self, dim: int, eps: float, cfg: ModelConfig):
         self.weight = nnx.Param(jnp.ones((dim,), dtype_of(cfg.weight_dtype)), out_sharding=("norm",))
         self.eps = eps
+        self.custom_vjp = cfg.scan_layers
 
     def __call__(self, x):
-        return rms_norm(x, self.weight[...], self.eps)
+        if self.custom_vjp:
+            return rms_norm(x, self.weight[...], self.eps)
+        xf = x.astype(jnp.float32)
+        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
+        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
 
 
 class MLP(nnx.Module):
