@@ -33,8 +33,8 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import (grouped_lora_delta, grouped_matmul, lora_dropout, permute, unpermute_sum,
-                                swiglu)
+from pallas_kernels.moe import (grouped_lora_delta, grouped_matmul, lora_dropout, permute, sorted_weights,
+                                swiglu, unpermute_sum)
 
 EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
@@ -95,7 +95,7 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
             g = g + grouped_lora_delta(xd, pg[0], pg[1], gs, scale=s, impl=impl)
         if pu is not None:
             u = u + grouped_lora_delta(xd, pu[0], pu[1], gs, scale=s, impl=impl)
-    w_rows = jnp.take(w.reshape(-1), perm)  # each sorted row's routing weight (0: routed elsewhere)
+    w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
     h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
     y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
     if lora is not None and pd is not None:

@@ -20,7 +20,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.layers import MLP, dtype_of
 from dsjax.model.lora import dropout_key_data, expert_matmul
-from pallas_kernels.moe import permute, unpermute_sum, swiglu
+from pallas_kernels.moe import permute, sorted_weights, swiglu, unpermute_sum
 from sharding import rules as shr
 from sharding.expert_parallel import moe_from_context, with_recompute
 
@@ -133,7 +133,7 @@ class MoE(nnx.Module):
             return expert_matmul(x, w[...].astype(dt), pair, group_sizes, s, c.moe_impl, rate)
         g = proj(xs, self.gate_proj, pairs[0])
         u = proj(xs, self.up_proj, pairs[1])
-        w_rows = jnp.take(weights.reshape(-1), perm)  # each sorted row's routing weight
+        w_rows = sorted_weights(weights, perm)
         h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
         y = proj(h, self.down_proj, pairs[2])
         return unpermute_sum(y, perm, c.num_experts_per_tok, impl=c.moe_impl)

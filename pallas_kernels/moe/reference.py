@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 def inverse_permutation(perm):
     """perm [M] int32, a permutation of 0..M-1 -> inv [M] with inv[perm[i]] = i."""
-    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype))
+    return jnp.zeros_like(perm).at[perm].set(jnp.arange(perm.shape[0], dtype=perm.dtype), unique_indices=True)
 
 
 def permute_reference(x, topk_ids, num_experts):

@@ -8,8 +8,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _hopper
-from pallas_kernels.moe import (gate_up_swiglu, grouped_matmul, permute, unpermute, unpermute_sum,
-                                swiglu)
+from pallas_kernels.moe import (gate_up_swiglu, grouped_matmul, permute, sorted_weights, swiglu, unpermute,
+                                unpermute_sum)
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference)
@@ -120,11 +120,15 @@ def test_weights_before_down_equal_weighted_combine(kind):
 
     def weighted_before(x, wg, wu, wd, p):
         g, u, gs, perm = expert_rows(x, wg, wu)
-        h = swiglu(g, u, jnp.take(p.reshape(-1), perm))
+        h = swiglu(g, u, sorted_weights(p, perm))
         return unpermute_sum(grouped_matmul(h, wd, gs, impl="reference"), perm, k)
 
     args = (x, wg, wu, wd, p)
     assert rel_err(weighted_before(*args), weighted_after(*args)) < 1e-6
+    perm = permute(x, ids, num_experts=e, impl="reference")[2]
+    c = jax.random.normal(keys[0], (t * k,))  # sorted_weights' gradient is the gather's, exactly
+    np.testing.assert_array_equal(jax.grad(lambda p: jnp.sum(sorted_weights(p, perm) * c))(p),
+                                  jax.grad(lambda p: jnp.sum(jnp.take(p.reshape(-1), perm) * c))(p))
     loss = lambda fn: (lambda *a: jnp.sum(jnp.sin(fn(*a))))
     got = jax.grad(loss(weighted_before), argnums=range(5))(*args)
     want = jax.grad(loss(weighted_after), argnums=range(5))(*args)
