@@ -40,11 +40,12 @@ step's. Every dsjax row runs with model.scan_layers=true (compile time independe
 `--set` adds config overrides to every dsjax row (e.g. --set model.remat=dots_saveable).
 
 Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01 and 2026-12-02, no remat): dsjax_attn
-73.6 GB, dsjax_all 94.2 GB (54.8 GB as dsjax_all_dots; 72.8 GB with --set model.moe_recompute=true). Frozen bf16 weights are 15.7 B x 2 B = 31.4 GB and the
-adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the rest, ~40 GB, is the
-activations of 27 scanned layers, which `model.remat` trades for recompute. `python -m dsjax.plan`
-(CPU compile of this step, 1 device; it gave 74.5 GB for dsjax_attn) plans dsjax_all at 95.7 GB
-without remat, 54.6 GB with dots_saveable (dsjax_all_dots) and 40.3 GB with full remat:
+73.6 GB, dsjax_all 94.2 GB (54.8 GB as dsjax_all_dots), both before the residual cuts of f4d032a;
+dsjax_all with --set model.moe_recompute=true 59.7 GB (f4d032a). Frozen bf16 weights are 15.7 B x
+2 B = 31.4 GB and the adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the
+rest is the activations of 27 scanned layers, which `model.moe_recompute` and `model.remat` trade
+for recompute. `python -m dsjax.plan` (CPU compile of this step, 1 device; it gave 74.5 GB for
+dsjax_attn, and 63.3 GB for the 59.7 GB row) plans any of these rows, e.g. dsjax_all_dots:
 
     python -m dsjax.plan --config configs/deepseek_v2_lite.yaml --devices 1 --no-check \
         --set mesh.preset=fsdp --set mesh.expert=1 --set model.scan_layers=true \
