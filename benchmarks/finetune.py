@@ -45,7 +45,7 @@ dsjax_all with --set model.moe_recompute=true 59.7 GB (f4d032a). Frozen bf16 wei
 2 B = 31.4 GB and the adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the
 rest is the activations of 27 scanned layers, which `model.moe_recompute` and `model.remat` trade
 for recompute. `python -m dsjax.plan` (CPU compile of this step, 1 device; it gave 74.5 GB for
-dsjax_attn, and 63.3 GB for the 59.7 GB row) plans any of these rows, e.g. dsjax_all_dots:
+dsjax_attn, and 61.2 GB for the 59.7 GB row) plans any of these rows, e.g. dsjax_all_dots:
 
     python -m dsjax.plan --config configs/deepseek_v2_lite.yaml --devices 1 --no-check \
         --set mesh.preset=fsdp --set mesh.expert=1 --set model.scan_layers=true \
