@@ -23,6 +23,7 @@ directory is new for every session and removed at exit."""
 import atexit
 import os
 import shutil
+import sys
 import tempfile
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -40,5 +41,18 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
 os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 import jax  # noqa: E402
+import pytest  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.hookimpl(tryfirst=True)  # before the fixtures of the test (an HF reference built in one)
+def pytest_runtest_setup(item):
+    """torch (the transformers references of the HF tests) with one intra-op thread: their models
+    are tiny, and two OpenMP threads that spin-wait on a 2-core machine shared with anything else
+    (XLA's own threads, another process) make every small op wait for a descheduled peer (HF
+    parity of one config: 99 s with two threads, 54 s with one, under load; the same either way
+    on an idle machine)."""
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.get_num_threads() != 1:
+        torch.set_num_threads(1)

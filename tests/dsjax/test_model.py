@@ -212,14 +212,16 @@ def test_latent_cache_decode_matches_full_forward(q_lora):
                                                                      mscale=1.0, mscale_all_dim=1.0))
     m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(2), (2, 20), 0, 128)
-    full, _ = m(toks)
+    # jitted as generate() runs them (prefill at 0, one step program for every position)
+    full = jax.jit(lambda t: m(t)[0])(toks)
     cache = m.init_cache(2, 24)
     assert set(cache) == {"c_kv", "k_rope"}
     assert cache["c_kv"].shape == (3, 2, 24, 12) and cache["k_rope"].shape == (3, 2, 24, 4)
-    l1, cache = m.decode(toks[:, :13], cache, 0)
+    l1, cache = jax.jit(lambda t, c: m.decode(t, c, 0))(toks[:, :13], cache)
+    step = jax.jit(lambda t, c, pos: m.decode(t, c, pos))
     outs = [l1]
     for t in range(13, 20):
-        lt, cache = m.decode(toks[:, t:t + 1], cache, t)
+        lt, cache = step(toks[:, t:t + 1], cache, jnp.asarray(t, jnp.int32))
         outs.append(lt)
     np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
 

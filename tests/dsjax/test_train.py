@@ -60,8 +60,13 @@ def test_tiny_config_loss_falls_over_30_steps(corpus, tmp_path):
     assert (Path(cfg.train.run_dir) / "tokenizer.json").is_file()
 
 
+# optim.decay_steps=30: the learning-rate schedule of the 30-step run above whatever train.steps,
+# so that runs of this model share its train step program (conftest.py's compilation cache)
+SCHEDULE_30 = "optim.decay_steps=30"
+
+
 def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog):
-    a = cfg_for(corpus, tmp_path / "a", "train.steps=6", "checkpoint.every=3")
+    a = cfg_for(corpus, tmp_path / "a", "train.steps=6", "checkpoint.every=3", SCHEDULE_30)
     with caplog.at_level("WARNING", logger="dsjax"):
         loop.train(a, resume=True)  # nothing to resume yet: starts from step 0 and says so
     assert "no checkpoint" in caplog.text and "starting from step 0" in caplog.text
@@ -69,7 +74,7 @@ def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog):
     b_dir = tmp_path / "b" / "run"
     (b_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "run" / "checkpoints" / "3", b_dir / "checkpoints" / "3")
-    b = cfg_for(corpus, tmp_path / "b", "train.steps=6", "checkpoint.every=3")
+    b = cfg_for(corpus, tmp_path / "b", "train.steps=6", "checkpoint.every=3", SCHEDULE_30)
     with pytest.raises(FileExistsError, match="--resume"):
         loop.train(b)
     loop.train(b, resume=True)
