@@ -105,9 +105,7 @@ class RMSNorm(nnx.Module):
     def __call__(self, x):
         if self.custom_vjp:
             return rms_norm(x, self.weight[...], self.eps)
-        xf = x.astype(jnp.float32)
-        y = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(x.dtype) * y.astype(x.dtype)
+        return _rms_norm_fwd(x, self.weight[...], self.eps)[0]  # the same formula, autodiff
 
 
 class MLP(nnx.Module):

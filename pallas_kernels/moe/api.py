@@ -409,9 +409,15 @@ def _swiglu_grads(g, u, da):
     return da * u32 * sg * (1.0 + g32 * (1.0 - sg)), da * silu, silu * u32
 
 
+def _swiglu_value(g, u, w=None):
+    """silu(g) * u (* w[..., None]) in fp32, rounded to g.dtype."""
+    h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
+    return (h if w is None else h * w.astype(jnp.float32)[..., None]).astype(g.dtype)
+
+
 @jax.custom_vjp
 def _swiglu(g, u):
-    return (jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)).astype(g.dtype)
+    return _swiglu_value(g, u)
 
 
 def _swiglu_fwd(g, u):
@@ -429,8 +435,7 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 @jax.custom_vjp
 def _swiglu_weighted(g, u, w):
-    g32 = g.astype(jnp.float32)
-    return (jax.nn.silu(g32) * u.astype(jnp.float32) * w.astype(jnp.float32)[..., None]).astype(g.dtype)
+    return _swiglu_value(g, u, w)
 
 
 def _swiglu_weighted_fwd(g, u, w):
