@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import lower_once
 from pallas_kernels.flash_attention.mosaic_common import (COL, LOG2E, ROW, SMEM_BYTES, WGMMA,
                                                           Config, Sync, compiler_params, delta0,
                                                           iota, mm, pad_to, prepare,
@@ -66,6 +67,7 @@ def dq_dlt_fits(Dqk, Dv, cfg: Config):
     return smem_bytes(Dqk, Dv, cfg)[1] + 2 * cfg.block_q * (2 * Dv + 4) <= SMEM_BYTES
 
 
+@lower_once
 def _dq_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, S,
                cfg: Config, interpret, o=None, dlse=None):
     """dq [B, Tp, N, Dqk] = scale * sum_s dS[t, s] k[s], dS = P * (dP - dlt) (FA2 Alg. 2).
@@ -237,6 +239,7 @@ def _dq_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, s
       *((dlse,) if has_dlse else ()))
 
 
+@lower_once
 def _dkv_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal,
                 cfg: Config, interpret):
     """dk [B, Sp, K, Dqk] = scale * sum_{g, t} dS^T q-row, dv [B, Sp, K, Dv] = sum P^T dO, summed

@@ -20,6 +20,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from pallas_kernels._hopper import lower_once
 from pallas_kernels.flash_attention.mosaic_common import (COL, LOG2E, ROW, WGMMA, Config, Sync,
                                                           compiler_params, iota, mm, prepare,
                                                           query_ranges, tiled)
@@ -155,6 +156,7 @@ def _key_loop(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, ba
     return c[:3]
 
 
+@lower_once
 def _forward_kernel(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, causal, S,
                     cfg: Config, interpret):
     """q [B, Tp, N, Dqk], k [B, Sp, K, Dqk], v [B, Sp, K, Dv] -> o [B, Tp, N, Dv],

@@ -37,7 +37,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._hopper import default_interpret
+from pallas_kernels._hopper import default_interpret, lower_once
 
 ROW_KERNEL_SMEM = 16 * 1024  # target SMEM bytes per CTA of the row kernel
 
@@ -105,6 +105,7 @@ def scatter_rows_fits(x, k):
     return None
 
 
+@lower_once
 def scatter_rows(x, dest, *, rows=None, interpret=None):
     """out[dest[t, k]] = x[t] for a permutation dest of 0..T*K-1 (Pallas Mosaic GPU).
 

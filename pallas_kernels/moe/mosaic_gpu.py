@@ -44,7 +44,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels._hopper import default_interpret, num_sms
+from pallas_kernels._hopper import default_interpret, lower_once, num_sms
 
 _SMEM_BYTES = 227 * 1024 - 4096  # usable dynamic SMEM per CTA on sm90, minus barrier slack
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -197,6 +197,7 @@ def deinterleave_gate_up(h, block=None):
     return hb[..., 0, :].reshape(*h.shape[:-1], i), hb[..., 1, :].reshape(*h.shape[:-1], i)
 
 
+@lower_once
 def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, epilogue=None,
         return_h=False):
     """Grouped GEMM: out[i] = x[i] @ w[g(i)] (or @ w[g(i)]^T when transpose_rhs).
@@ -399,6 +400,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     return tuple(outs) if return_h else outs[0]
 
 
+@lower_once
 def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
     """Ragged-contraction grouped GEMM (weight gradient): dw[g] = x[rows g]^T @ dy[rows g].
 
