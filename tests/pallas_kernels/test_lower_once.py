@@ -1,0 +1,69 @@
+"""`_hopper.lower_once`: identical kernel calls share one lowering, so an unrolled model compiles
+each distinct Mosaic GPU kernel once. The kernels are lowered for CUDA on this CPU (Mosaic GPU
+lowering, layout inference and serialisation run without a GPU)."""
+import re
+
+import numpy as np
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _hopper
+from pallas_kernels.moe import mosaic_gpu
+
+
+def test_values_gradients_and_one_shared_function():
+    calls = []
+
+    @_hopper.lower_once
+    def f(x, y, *, s, tag=None):
+        calls.append(tag)
+        return jnp.sin(x) * s + y
+
+    def g(x):
+        for i in range(3):
+            x = f(x, x, s=2.0, tag="a")
+        return f(x, x, s=3.0, tag="b")  # another static value: a second function
+
+    def g_plain(x):
+        for i in range(3):
+            x = jnp.sin(x) * 2.0 + x
+        return jnp.sin(x) * 3.0 + x
+
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(8,)), jnp.float32)
+    text = jax.jit(g).lower(x).as_text()
+    assert len(re.findall(r"func\.func private", text)) == 2  # s=2.0 once, s=3.0 once
+    assert sorted(calls) == ["a", "b"]  # traced once per signature
+    np.testing.assert_allclose(jax.jit(g)(x), g_plain(x), rtol=1e-6)
+    np.testing.assert_allclose(jax.grad(lambda x: g(x).sum())(x),
+                               jax.grad(lambda x: g_plain(x).sum())(x), rtol=1e-6)
+
+
+def _kernel_hashes(fn, *args, monkeypatch):
+    """Lower fn for CUDA with the Mosaic kernels compiled (not interpreted): the kernel hash of
+    every mosaic_gpu custom call in the module."""
+    monkeypatch.setattr(mosaic_gpu, "default_interpret", lambda: None)
+    monkeypatch.setattr(mosaic_gpu, "num_sms", lambda: 132)
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+
+
+def test_identical_grouped_gemms_compile_once(monkeypatch):
+    e, m, d, n = 4, 512, 256, 256
+    x = jax.ShapeDtypeStruct((m, d), jnp.bfloat16)
+    w = jax.ShapeDtypeStruct((e, d, n), jnp.bfloat16)
+    gs = jax.ShapeDtypeStruct((e,), jnp.int32)
+
+    def layers(x, w1, w2, w3, gs):  # three "layers" of the same GEMM, as an unrolled stack
+        for w_ in (w1, w2, w3):
+            x = mosaic_gpu.gmm(x, w_, gs)
+        return mosaic_gpu.gmm(x, w1, gs, transpose_rhs=True)  # a different kernel
+
+    hashes = _kernel_hashes(layers, x, w, w, w, gs, monkeypatch=monkeypatch)
+    assert len(hashes) == 2 and len(set(hashes)) == 2
+
+    # without the wrapper, each call is its own kernel (what lower_once prevents)
+    raw = mosaic_gpu.gmm.__wrapped__
+    hashes = _kernel_hashes(lambda x, w, gs: raw(raw(x, w, gs), w, gs), x, w, gs,
+                            monkeypatch=monkeypatch)
+    assert len(hashes) == 2 and len(set(hashes)) == 2
