@@ -33,8 +33,8 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import (grouped_lora_delta, grouped_matmul, lora_dropout, permute, sorted_weights,
-                                swiglu, unpermute_sum)
+from pallas_kernels.moe import (grouped_lora_delta, grouped_lora_deltas, grouped_matmul, lora_dropout,
+                                permute, sorted_weights, swiglu, unpermute_sum)
 
 EXPERT = "expert"
 DISPATCH_CHUNK_BYTES = 512 << 20  # permuted rows of one chunk, at most (compute dtype)
@@ -91,9 +91,12 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         keys = [None if key is None else jax.random.fold_in(key, i) for i in range(3)]
         xd = lora_dropout(xs, lora["rate"], keys[0])
-        if pg is not None:
+        if pg is not None and pu is not None:  # one x A GEMM for both
+            dg, du = grouped_lora_deltas(xd, (pg, pu), gs, scale=s, impl=impl)
+            g, u = g + dg, u + du
+        elif pg is not None:
             g = g + grouped_lora_delta(xd, pg[0], pg[1], gs, scale=s, impl=impl)
-        if pu is not None:
+        elif pu is not None:
             u = u + grouped_lora_delta(xd, pu[0], pu[1], gs, scale=s, impl=impl)
     w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
     h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)

@@ -12,7 +12,7 @@ parameters and their random init untouched; their leaves are named `lora_A` / `l
 The rank dimension has the logical name `lora`, which no sharding preset maps (replicated); the
 other dimensions carry their base weight's names, so adapters shard like their weights.
 Routed-expert adapters run through the same grouped GEMM as the base experts, ragged over the
-same group sizes (`pallas_kernels.moe.grouped_lora_delta`), never as a per-expert loop.
+same group sizes (`pallas_kernels.moe.grouped_lora_deltas`), never as a per-expert loop.
 
 Dropout (PEFT's `lora_dropout`, on the adapter's input only) is active while a `dropout_rng`
 context is: the train step opens one per micro-batch with a key derived from the step. Each
@@ -34,7 +34,7 @@ from flax import nnx
 
 from dsjax.config import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP, LoraConfig, ModelConfig
 from dsjax.model.layers import Linear
-from pallas_kernels.moe import grouped_lora_delta, grouped_matmul, lora_dropout
+from pallas_kernels.moe import grouped_lora_deltas, grouped_matmul, lora_dropout
 
 ADAPTER_LEAVES = ("lora_A", "lora_B")
 _LOCAL = threading.local()
@@ -108,7 +108,9 @@ class LoraAdapter(nnx.Module):
     def __call__(self, x, dtype):
         """x [..., in] -> [..., out] in `dtype` (unstacked adapter)."""
         t = jnp.dot(_dropout(x.astype(dtype), self.rate), self.lora_A[...].astype(dtype))
-        return jnp.dot(t, self.lora_B[...].astype(dtype)) * jnp.asarray(self.scale, dtype)
+        # the scale multiplies B (fp32, then cast), not the [..., out] product
+        b = (self.lora_B[...].astype(jnp.float32) * self.scale).astype(dtype)
+        return jnp.dot(t, b)
 
     def merged(self, w, dtype):
         """w [in, out] + A B scale, in `dtype` (fp32 maths): for consumers that need the weight
@@ -139,14 +141,21 @@ class ExpertsLora(nnx.Module):
         return max(ad.rate for ad in (self.gate_proj, self.up_proj, self.down_proj) if ad is not None)
 
 
-def expert_matmul(x, w, pair, group_sizes, scale: float, impl: str, rate: float = 0.0):
-    """Routed-expert projection with its adapter: x [M, Din] rows sorted by expert, w [E, Din, N],
-    pair (A [E, Din, r], B [E, r, N]) or None -> [M, N] in x.dtype; the adapter's two GEMMs are
+def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: float = 0.0):
+    """Routed-expert projections of the same rows, each with its adapter: x [M, Din] rows sorted
+    by expert, ws (w [E, Din, N_i], ...), pairs ((A [E, Din, r], B [E, r, N_i]) or None, ...) ->
+    tuple of [M, N_i] in x.dtype. The adapters share one dropout mask of x (as PEFT's adapter
+    on the fused gate_up_proj does) and one x A GEMM (`grouped_lora_deltas`); every GEMM is
     grouped over the same `group_sizes` [E] as the base GEMM."""
-    y = grouped_matmul(x, w, group_sizes, impl=impl)
-    if pair is None:
-        return y
-    return y + grouped_lora_delta(_dropout(x, rate), pair[0], pair[1], group_sizes, scale=scale, impl=impl)
+    ys = [grouped_matmul(x, w, group_sizes, impl=impl) for w in ws]
+    live = [i for i, p in enumerate(pairs) if p is not None]
+    if not live:
+        return tuple(ys)
+    deltas = grouped_lora_deltas(_dropout(x, rate), [pairs[i] for i in live], group_sizes,
+                                 scale=scale, impl=impl)
+    for i, d in zip(live, deltas):
+        ys[i] = ys[i] + d
+    return tuple(ys)
 
 
 # ----------------------------------------------------------------------------- attach

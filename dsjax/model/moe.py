@@ -19,7 +19,7 @@ from flax import nnx
 
 from dsjax.config import ModelConfig
 from dsjax.model.layers import MLP, dtype_of
-from dsjax.model.lora import dropout_key_data, expert_matmul
+from dsjax.model.lora import dropout_key_data, expert_matmuls
 from pallas_kernels.moe import permute, sorted_weights, swiglu, unpermute_sum
 from sharding import rules as shr
 from sharding.expert_parallel import moe_from_context, with_recompute
@@ -129,13 +129,12 @@ class MoE(nnx.Module):
             pairs, s = self.experts.pairs(dt)
             rate = self.experts.rate()
 
-        def proj(x, w, pair):
-            return expert_matmul(x, w[...].astype(dt), pair, group_sizes, s, c.moe_impl, rate)
-        g = proj(xs, self.gate_proj, pairs[0])
-        u = proj(xs, self.up_proj, pairs[1])
+        g, u = expert_matmuls(xs, (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt)),
+                              pairs[:2], group_sizes, s, c.moe_impl, rate)
         w_rows = sorted_weights(weights, perm)
         h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
-        y = proj(h, self.down_proj, pairs[2])
+        y, = expert_matmuls(h, (self.down_proj[...].astype(dt),), pairs[2:], group_sizes, s,
+                            c.moe_impl, rate)
         return unpermute_sum(y, perm, c.num_experts_per_tok, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):

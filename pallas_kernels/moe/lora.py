@@ -9,7 +9,9 @@ multiples of 128, so where they run, the rank is zero-padded to the next multipl
 extra columns and B's extra rows are zeros: the product, and the gradients of the real
 columns and rows, are exact); at rank 16 that is 8x the adapter GEMMs' FLOPs, still a small
 share of the base GEMM's, where the fallback `lax.ragged_dot` runs ~50x slower than the kernels
-on an H200. Gradients come from `grouped_matmul`'s custom VJP (dx, dA, dB grouped GEMMs).
+on an H200. Adapters of GEMMs that share their input (gate and up) share the first GEMM
+(`grouped_lora_deltas`). Gradients come from `grouped_matmul`'s custom VJP (dx, dA, dB grouped
+GEMMs).
 """
 from __future__ import annotations
 
@@ -56,30 +58,66 @@ def padded_rank(x, a, b, impl):
     return rp
 
 
-def grouped_lora_delta(x, a, b, group_sizes, *, scale: float, impl: str = "auto"):
-    """The adapter term of a grouped GEMM.
+def grouped_lora_deltas(x, pairs, group_sizes, *, scale: float, impl: str = "auto"):
+    """The adapter terms of grouped GEMMs that share their input rows x (the routed experts'
+    gate and up projections), with one GEMM for all their A factors.
+
+    t = x @ [A_1 | A_2 | ...] is one grouped GEMM of width R = r_1 + r_2 + ... (padded to
+    KERNEL_WIDTH where the kernels run, so two rank-16 adapters cost what one does), and
+    delta_i = t @ B_i', where B_i' is scale * B_i placed in rows r_1 + ... + r_(i-1) onwards of
+    an [E, R, N_i] zero block: the padded t feeds every second GEMM without a slice or pad.
+    In the backward the cotangents of t add up ([M, R]), so dx and the dA of all adapters
+    are one grouped GEMM each. The scale multiplies B (fp32, then cast), never an [M, N]
+    tensor: exact for power-of-two scales (alpha / r = 2 by default), one bf16 rounding of
+    the scaled B otherwise.
 
     Args:
       x: [M, Kd] rows grouped consecutively by `group_sizes` (bf16/f16/fp32).
-      a: [E, Kd, r]; b: [E, r, N] (cast to x.dtype); group_sizes: [E] int, sum <= M (rows past
-        the sum give zeros, as in `grouped_matmul`).
+      pairs: sequence of (A [E, Kd, r_i], B [E, r_i, N_i]) (cast to x.dtype).
+      group_sizes: [E] int, sum <= M (rows past the sum give zeros, as in `grouped_matmul`).
       scale: alpha / r; impl: "auto" | "pallas" | "reference" ("pallas" falls back to "auto"
         for the GEMMs the kernels cannot take).
     Returns:
-      [M, N] in x.dtype: scale * (x[i] @ a[g(i)]) @ b[g(i)], fp32 accumulation in each GEMM.
-      Differentiable in x, a and b.
+      tuple of [M, N_i] in x.dtype: scale * (x[i] @ A_i[g(i)]) @ B_i[g(i)], fp32 accumulation
+      in each GEMM. Differentiable in x and every A, B.
+    Raises:
+      ValueError: unknown impl, or no pairs.
+    """
+    if not pairs:
+        raise ValueError("grouped_lora_deltas: no (A, B) pairs")
+    ranks = [a.shape[-1] for a, _ in pairs]
+    a = jnp.concatenate([a.astype(x.dtype) for a, _ in pairs], axis=-1)
+    bs = [(b.astype(jnp.float32) * scale).astype(x.dtype) for _, b in pairs]
+    r = a.shape[-1]
+    rp = min(padded_rank(x, a, b, impl) for b in bs)
+    rp = rp if rp > r else r  # any pair the padded kernels cannot take: no padding at all
+    if rp != r:
+        a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
+    t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
+    # named for remat policies (`jax.checkpoint_policies.save_only_these_names`): only the r real
+    # columns (the padded ones are exact zeros), padded again for the second GEMMs
+    t = jnp.pad(checkpoint_name(t[:, :r], "lora_t"), ((0, 0), (0, rp - r)))
+    outs, lo = [], 0
+    for ri, b in zip(ranks, bs):
+        if rp == r and len(pairs) == 1:
+            ti, bi = t, b
+        elif rp == r:  # unpadded (reference): each adapter's own columns of t
+            ti, bi = t[:, lo:lo + ri], b
+        else:  # padded: B's rows placed at this adapter's columns of t
+            ti, bi = t, jnp.pad(b, ((0, 0), (lo, rp - lo - ri), (0, 0)))
+        outs.append(api.grouped_matmul(ti, bi, group_sizes, impl=_impl_for(impl, ti, bi)))
+        lo += ri
+    return tuple(outs)
+
+
+def grouped_lora_delta(x, a, b, group_sizes, *, scale: float, impl: str = "auto"):
+    """The adapter term of one grouped GEMM: `grouped_lora_deltas(x, ((a, b),), ...)[0]`.
+
+    Args:
+      x: [M, Kd]; a: [E, Kd, r]; b: [E, r, N]; group_sizes: [E] int; scale, impl: as there.
+    Returns:
+      [M, N] in x.dtype: scale * (x[i] @ a[g(i)]) @ b[g(i)].
     Raises:
       ValueError: unknown impl.
     """
-    a = a.astype(x.dtype)
-    b = b.astype(x.dtype)
-    r, rp = a.shape[-1], padded_rank(x, a, b, impl)
-    if rp != r:
-        a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
-        b = jnp.pad(b, ((0, 0), (0, rp - r), (0, 0)))
-    t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
-    # named for remat policies (`jax.checkpoint_policies.save_only_these_names`): only the r real
-    # columns (the padded ones are exact zeros), padded again for the second GEMM
-    t = jnp.pad(checkpoint_name(t[:, :r], "lora_t"), ((0, 0), (0, rp - r)))
-    y = api.grouped_matmul(t, b, group_sizes, impl=_impl_for(impl, t, b))
-    return y * jnp.asarray(scale, y.dtype)
+    return grouped_lora_deltas(x, ((a, b),), group_sizes, scale=scale, impl=impl)[0]

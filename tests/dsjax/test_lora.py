@@ -16,11 +16,11 @@ import pytest
 from dsjax import config as C
 from dsjax.model import abstract_model
 from dsjax.model import lora as lora_mod
-from dsjax.model.lora import expert_matmul, merged_params, split_adapters
+from dsjax.model.lora import expert_matmuls, merged_params, split_adapters
 from dsjax.train import finetune, runs
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import make_train_step
-from pallas_kernels.moe import grouped_lora_delta
+from pallas_kernels.moe import grouped_lora_delta, grouped_lora_deltas
 from pallas_kernels.moe.lora import padded_rank
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -154,7 +154,7 @@ def test_grouped_expert_lora_matches_per_expert_reference():
         return _ref_gmm(x, w, gs) + _ref_delta(x, a, b, gs, s)
 
     def ours(x, w, a, b):
-        return expert_matmul(x, w, (a, b), gs, s, "reference")
+        return expert_matmuls(x, (w,), ((a, b),), gs, s, "reference")[0]
 
     # each side jitted: one program instead of the reference loop's ops one by one
     y, y_ref = jax.jit(ours)(x, w, a, b), jax.jit(ref)(x, w, a, b)
@@ -167,6 +167,12 @@ def test_grouped_expert_lora_matches_per_expert_reference():
     # the delta alone, and in bf16 against the fp32 reference
     d16 = grouped_lora_delta(x.astype(jnp.bfloat16), a, b, gs, scale=s, impl="reference")
     assert d16.dtype == jnp.bfloat16 and rel(d16, jax.jit(lambda *p: _ref_delta(*p, gs, s))(x, a, b)) < 2e-2
+    # two adapters of different ranks sharing x (one x [A | A2] GEMM): each its own delta
+    a2 = jnp.asarray(rng.normal(size=(E, D, r + 3)) * 0.3, jnp.float32)
+    b2 = jnp.asarray(rng.normal(size=(E, r + 3, N + 8)) * 0.3, jnp.float32)
+    d1, d2 = jax.jit(lambda *p: grouped_lora_deltas(p[0], (p[1:3], p[3:]), gs, scale=s, impl="reference"))(
+        x, a, b, a2, b2)
+    assert rel(d1, _ref_delta(x, a, b, gs, s)) < 1e-6 and rel(d2, _ref_delta(x, a2, b2, gs, s)) < 1e-6
 
 
 def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weight():
@@ -307,25 +313,33 @@ def test_accumulation_with_lora_equals_the_larger_batch():
 
 
 def test_expert_lora_through_the_pallas_kernels_matches_reference():
-    """impl='pallas' (Mosaic GPU kernels; GPU interpret mode without a Hopper GPU), rank 16,
-    which the adapter GEMMs run zero-padded to rank 128 in the kernels: bf16 forward and
-    gradients vs the fp32 per-expert reference at rank 16, an empty expert included."""
+    """impl='pallas' (Mosaic GPU kernels; GPU interpret mode without a Hopper GPU): two
+    projections of the same rows (gate and up) with rank-16 adapters, whose A factors the
+    kernels run as one x [A_g | A_u] GEMM zero-padded to width 128 and whose B factors sit at
+    their own rows of a zero-padded block: bf16 forward and gradients vs the fp32 per-expert
+    reference at rank 16, an empty expert included."""
     E, D, N, r, M = 4, 128, 128, 16, 128
-    k = jax.random.split(jax.random.key(4), 5)
+    k = jax.random.split(jax.random.key(4), 8)
     gs = jnp.asarray([50, 0, 45, 33], jnp.int32)
     x = jax.random.normal(k[0], (M, D)).astype(jnp.bfloat16)
-    w = (jax.random.normal(k[1], (E, D, N)) / 12).astype(jnp.bfloat16)
-    a = (jax.random.normal(k[2], (E, D, r)) / 12).astype(jnp.bfloat16)
-    b = (jax.random.normal(k[3], (E, r, N)) / 12).astype(jnp.bfloat16)
-    cot = jax.random.normal(k[4], (M, N)).astype(jnp.bfloat16)
+    w, w2 = [(jax.random.normal(kk, (E, D, N)) / 12).astype(jnp.bfloat16) for kk in k[1:3]]
+    a, a2 = [(jax.random.normal(kk, (E, D, r)) / 12).astype(jnp.bfloat16) for kk in k[3:5]]
+    b, b2 = [(jax.random.normal(kk, (E, r, N)) / 12).astype(jnp.bfloat16) for kk in k[5:7]]
+    cot = jax.random.normal(k[7], (2, M, N)).astype(jnp.bfloat16)
     f32 = lambda t: t.astype(jnp.float32)  # noqa: E731
     assert padded_rank(x, a, b, "pallas") == 128 and padded_rank(x, a, b, "reference") == 16
-    out, vjp = jax.vjp(lambda *p: expert_matmul(*p[:2], (p[2], p[3]), gs, 0.5, "pallas"), x, w, a, b)
-    grads = vjp(cot)
-    ref = lambda x, w, a, b: _ref_gmm(x, w, gs) + _ref_delta(x, a, b, gs, 0.5)  # noqa: E731
-    out_r, vjp_r = jax.vjp(ref, f32(x), f32(w), f32(a), f32(b))
+
+    def ours(x, w, w2, a, b, a2, b2):
+        return jnp.stack(expert_matmuls(x, (w, w2), ((a, b), (a2, b2)), gs, 0.5, "pallas"))
+
+    def ref(x, w, w2, a, b, a2, b2):
+        return jnp.stack([_ref_gmm(x, w, gs) + _ref_delta(x, a, b, gs, 0.5),
+                          _ref_gmm(x, w2, gs) + _ref_delta(x, a2, b2, gs, 0.5)])
+    args = (x, w, w2, a, b, a2, b2)
+    out, vjp = jax.vjp(ours, *args)
+    out_r, vjp_r = jax.vjp(ref, *map(f32, args))
     assert out.dtype == jnp.bfloat16 and rel(f32(out), out_r) < 1e-2
-    for name, g, g_r in zip("xwab", grads, vjp_r(f32(cot))):
+    for name, g, g_r in zip(("x", "w", "w2", "a", "b", "a2", "b2"), vjp(cot), vjp_r(f32(cot))):
         assert g.shape == g_r.shape and rel(f32(g), g_r) < 2e-2, name
 
 
