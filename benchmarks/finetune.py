@@ -36,16 +36,20 @@ dsjax builds the state as `python -m dsjax.train` builds a LoRA run from random 
 router stays fp32, adapters trainable with fp32 master weights and fp32 Adam moments. The one
 difference: init, partition and optimizer state run inside one jit, so the random fp32 base
 weights (63 GB) are never materialised beside their bf16 copies and the allocator's peak is the
-step's. Every dsjax row runs with model.scan_layers=true (compile time independent of depth);
+step's. Every dsjax row runs with model.scan_layers=true (compile time independent of depth; --set
+model.scan_layers=false unrolls the 27 layers, 2-3 minutes of compile on an H200);
 `--set` adds config overrides to every dsjax row (e.g. --set model.remat=dots_saveable).
 
 Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01 and 2026-12-02, no remat): dsjax_attn
 73.6 GB, dsjax_all 94.2 GB (54.8 GB as dsjax_all_dots), both before the residual cuts of f4d032a;
-dsjax_all with --set model.moe_recompute=true 59.7 GB (f4d032a). Frozen bf16 weights are 15.7 B x
+dsjax_all with --set model.moe_recompute=true 59.5 GB (d6372b4; 65.1 GB with model.scan_layers=false
+as well, 10 % faster). Frozen bf16 weights are 15.7 B x
 2 B = 31.4 GB and the adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the
 rest is the activations of 27 scanned layers, which `model.moe_recompute` and `model.remat` trade
 for recompute. `python -m dsjax.plan` (CPU compile of this step, 1 device; it gave 74.5 GB for
-dsjax_attn, and 61.2 GB for the 59.7 GB row) plans any of these rows, e.g. dsjax_all_dots:
+dsjax_attn, and 61.2 GB for the 59.7 GB row of f4d032a; it does not predict unrolled layers, which
+XLA:CPU and XLA:GPU buffer differently: 28-30 GB planned for a 4-layer step that measured 21 GB) plans
+any of these rows, e.g. dsjax_all_dots:
 
     python -m dsjax.plan --config configs/deepseek_v2_lite.yaml --devices 1 --no-check \
         --set mesh.preset=fsdp --set mesh.expert=1 --set model.scan_layers=true \
