@@ -1,11 +1,13 @@
 """What every Mosaic GPU kernel here asks of the device: is it a Hopper GPU, how many SMs it
-has, and how to run a kernel in GPU interpret mode (a CPU simulation, for tests) elsewhere.
+has, and how to run a kernel in GPU interpret mode (a CPU simulation, for tests) elsewhere; and
+`lower_once`, which makes identical kernel calls share one lowering and one compile.
 """
 from __future__ import annotations
 
 import functools
 
 import jax
+import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 # SMs assumed off a GPU, where the kernels run in interpret mode: persistent grids of
@@ -66,8 +68,6 @@ def lower_once(kernel_fn):
     with the same kernel hash at each site). Numerics are unchanged: the same kernel runs on
     the same operands.
     """
-    import jax.numpy as jnp  # noqa: F401  (jax arrays are recognised below)
-    import numpy as np
 
     def is_array(leaf):
         return isinstance(leaf, (jax.Array, np.ndarray, np.generic)) or hasattr(leaf, "aval")

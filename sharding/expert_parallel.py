@@ -91,13 +91,12 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         keys = [None if key is None else jax.random.fold_in(key, i) for i in range(3)]
         xd = lora_dropout(xs, lora["rate"], keys[0])
-        if pg is not None and pu is not None:  # one x A GEMM for both
-            dg, du = grouped_lora_deltas(xd, (pg, pu), gs, scale=s, impl=impl)
-            g, u = g + dg, u + du
-        elif pg is not None:
-            g = g + grouped_lora_delta(xd, pg[0], pg[1], gs, scale=s, impl=impl)
-        elif pu is not None:
-            u = u + grouped_lora_delta(xd, pu[0], pu[1], gs, scale=s, impl=impl)
+        gu, live = [g, u], [i for i, p in enumerate((pg, pu)) if p is not None]
+        if live:  # one x A GEMM for the gate and up adapters
+            deltas = grouped_lora_deltas(xd, [(pg, pu)[i] for i in live], gs, scale=s, impl=impl)
+            for i, d in zip(live, deltas):
+                gu[i] = gu[i] + d
+        g, u = gu
     w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
     h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
     y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)

@@ -101,7 +101,7 @@ def grouped_lora_deltas(x, pairs, group_sizes, *, scale: float, impl: str = "aut
     for ri, b in zip(ranks, bs):
         if rp == r and len(pairs) == 1:
             ti, bi = t, b
-        elif rp == r:  # unpadded (reference): each adapter's own columns of t
+        elif rp == r:  # unpadded: each adapter's own columns of t
             ti, bi = t[:, lo:lo + ri], b
         else:  # padded: B's rows placed at this adapter's columns of t
             ti, bi = t, jnp.pad(b, ((0, 0), (lo, rp - lo - ri), (0, 0)))
