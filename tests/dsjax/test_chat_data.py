@@ -69,14 +69,14 @@ CONVERSATIONS = [
 ]
 
 
-def _write_tokenizer(d, template, special_user_tokens=True, pad_token=None):
+def _write_tokenizer(d, template, special_user_tokens=True, pad_token=None, bpe_vocab=400):
     t = Tokenizer(models.BPE())
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     t.decoder = decoders.ByteLevel()
     text = ["Hello there, how are you? I am fine. What is two plus two? It is four.",
             "User: Assistant:"]
     t.train_from_iterator(text * 3, trainers.BpeTrainer(
-        vocab_size=400, special_tokens=[BOS, EOS], show_progress=False,
+        vocab_size=bpe_vocab, special_tokens=[BOS, EOS], show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     # in DeepSeek-V3's tokenizer.json the role markers are added tokens that are not special
     t.add_tokens([AddedToken(USER, special=False, normalized=False),
@@ -435,24 +435,30 @@ def test_special_token_text_in_content_is_counted(v3, tmp_path, caplog):
     assert ds.ids[0].tolist() == _ids(hf.apply_chat_template(conv, tokenize=True))
 
 
-def test_chat_training_run(v3, tmp_path):
+def test_chat_training_run(tmp_path):
     """`python -m dsjax.train` on chat JSONL: the loop takes the chat loaders, trains on the
     assistant tokens only and keeps the template beside the run's tokenizer."""
     from dsjax import config as C
     from dsjax.train.loop import train
-    _jsonl(tmp_path / "train.jsonl", _many(24))
+    # the model, batch and schedule of test_generate.py's and test_reliability.py's runs
+    # (vocabulary 300, 2 layers, 4 rows of 32 tokens, optim.decay_steps=12): one train step and
+    # one eval step program for all of them (conftest.py's compilation cache). The V3 template's
+    # tokenizer with a smaller BPE, so that its tokens with the role markers fit 300
+    tok = chat.ChatTokenizer.load(_write_tokenizer(tmp_path / "tok", V3_TEMPLATE, bpe_vocab=298))
+    assert tok.vocab_size <= 300
+    _jsonl(tmp_path / "train.jsonl", _many(24))  # conversations of 14 to 28 tokens
     _jsonl(tmp_path / "val.jsonl", _many(4))
     run = tmp_path / "run"
     cfg = C.load("configs/tiny.yaml", [
         "data.format=chat", f"data.train={tmp_path}/train.jsonl", f"data.validation={tmp_path}/val.jsonl",
-        f"data.tokenizer={v3.path}", "data.seq_len=48", "data.batch_size=4", "train.steps=3",
+        f"data.tokenizer={tok.path}", "data.seq_len=32", "data.batch_size=4", "train.steps=3",
         "train.eval_every=3", "train.eval_batches=1", "train.log_every=1", "checkpoint.every=3",
-        "model.vocab_size=512", "model.num_hidden_layers=2", f"train.run_dir={run}",
+        "model.vocab_size=300", "model.num_hidden_layers=2", "optim.decay_steps=12", f"train.run_dir={run}",
         "train.tensorboard=false"])
     summary = train(cfg)
     val = {int(k): v for k, v in summary["val_loss"].items()}
     assert summary["steps"] == 3 and sorted(val) == [0, 3] and np.isfinite(val[3])
-    assert (run / "tokenizer.json").read_bytes() == v3.path.read_bytes()
+    assert (run / "tokenizer.json").read_bytes() == tok.path.read_bytes()
     assert (run / "tokenizer_config.json").is_file()
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r and "step" in r]

@@ -145,9 +145,10 @@ def test_fp16_nonfinite_step_is_skipped_and_scale_halves(tmp_path):
 
 def test_bf16_nonfinite_stops_naming_the_step(corpus, tmp_path, monkeypatch):
     # the loop looks at the device-side flag every log_every = 5 steps; the message names the
-    # step whose gradients were non-finite (3), not the step at which it looked (5)
+    # step whose gradients were non-finite (3), not the step at which it looked (5). A 2-layer
+    # model and no validation set: the loop's check is the same, its programs half the size
     cfg = cfg_for(corpus, tmp_path, "train.steps=6", "model.dtype=bfloat16", "data.seq_len=32",
-                  "train.log_every=5")
+                  "train.log_every=5", "model.num_hidden_layers=2", "data.val_fraction=0")
     orig = loop.PackedLoader.__next__
     calls = {"n": 0}
 
@@ -258,9 +259,15 @@ def test_padding_changes_no_mtp_router_balance(tmp_path):
         np.testing.assert_array_equal(x, y)
 
 
+# the balance loss of both accumulation tests: their steps are then the same two programs, each
+# compiled once per session (conftest.py's compilation cache); the loss metric is the
+# cross-entropy alone, the gradients and updates include the balance loss's
+ACCUM_AUX = "model.aux_loss_alpha=0.1"
+
+
 def test_grad_accumulation_matches_one_big_batch(tmp_path):
-    cfg1 = _small(tmp_path, "train.grad_accum=1")
-    cfg2 = _small(tmp_path, "train.grad_accum=2")
+    cfg1 = _small(tmp_path, "train.grad_accum=1", ACCUM_AUX)
+    cfg2 = _small(tmp_path, "train.grad_accum=2", ACCUM_AUX)
     fns, p, r = init_model(cfg1)
     tx, sched = build_optimizer(cfg1.optim, 10)
     big = _batch(cfg1, 0, 1)
@@ -279,9 +286,8 @@ def test_grad_accumulation_matches_one_big_batch(tmp_path):
 def test_grad_accumulation_with_padding_rows_matches_one_big_batch(tmp_path):
     # case 4 with accumulation: the balance loss and router metrics must not depend on which
     # micro-batch holds the padding rows (each micro-batch averages over its own real rows)
-    extra = ("model.aux_loss_alpha=0.1",)
-    cfg1 = _small(tmp_path, "train.grad_accum=1", *extra)
-    cfg2 = _small(tmp_path, "train.grad_accum=2", *extra)
+    cfg1 = _small(tmp_path, "train.grad_accum=1", ACCUM_AUX)
+    cfg2 = _small(tmp_path, "train.grad_accum=2", ACCUM_AUX)
     fns, p, r = init_model(cfg1)
     tx, sched = build_optimizer(cfg1.optim, 10)
     big = _batch(cfg1, 3, 1)
