@@ -89,8 +89,8 @@ def grouped_lora_deltas(x, pairs, group_sizes, *, scale: float, impl: str = "aut
     a = jnp.concatenate([a.astype(x.dtype) for a, _ in pairs], axis=-1)
     bs = [(b.astype(jnp.float32) * scale).astype(x.dtype) for _, b in pairs]
     r = a.shape[-1]
+    # any pair the padded kernels cannot take (padded_rank returns r): no padding at all
     rp = min(padded_rank(x, a, b, impl) for b in bs)
-    rp = rp if rp > r else r  # any pair the padded kernels cannot take: no padding at all
     if rp != r:
         a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
     t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
@@ -99,9 +99,7 @@ def grouped_lora_deltas(x, pairs, group_sizes, *, scale: float, impl: str = "aut
     t = jnp.pad(checkpoint_name(t[:, :r], "lora_t"), ((0, 0), (0, rp - r)))
     outs, lo = [], 0
     for ri, b in zip(ranks, bs):
-        if rp == r and len(pairs) == 1:
-            ti, bi = t, b
-        elif rp == r:  # unpadded: each adapter's own columns of t
+        if rp == r:  # unpadded: each adapter's own columns of t (all of t for one adapter)
             ti, bi = t[:, lo:lo + ri], b
         else:  # padded: B's rows placed at this adapter's columns of t
             ti, bi = t, jnp.pad(b, ((0, 0), (lo, rp - lo - ri), (0, 0)))
