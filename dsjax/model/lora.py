@@ -141,13 +141,16 @@ class ExpertsLora(nnx.Module):
         return max(ad.rate for ad in (self.gate_proj, self.up_proj, self.down_proj) if ad is not None)
 
 
-def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: float = 0.0):
+def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: float = 0.0,
+                   in_stacks=None):
     """Routed-expert projections of the same rows, each with its adapter: x [M, Din] rows sorted
     by expert, ws (w [E, Din, N_i], ...), pairs ((A [E, Din, r], B [E, r, N_i]) or None, ...) ->
     tuple of [M, N_i] in x.dtype. The adapters share one dropout mask of x (as PEFT's adapter
     on the fused gate_up_proj does) and one x A GEMM (`grouped_lora_deltas`); every GEMM is
-    grouped over the same `group_sizes` [E] as the base GEMM."""
-    ys = [grouped_matmul(x, w, group_sizes, impl=impl) for w in ws]
+    grouped over the same `group_sizes` [E] as the base GEMM. in_stacks: None, or per w None or
+    (stack, i) with w = stack[i], read in place (`grouped_matmul(in_stack=...)`)."""
+    in_stacks = in_stacks or (None,) * len(ws)
+    ys = [grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st) for w, st in zip(ws, in_stacks)]
     live = [i for i, p in enumerate(pairs) if p is not None]
     if not live:
         return tuple(ys)

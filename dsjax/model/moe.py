@@ -12,6 +12,9 @@ expert-parallel (`sharding.expert_parallel`); the maths is unchanged.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
@@ -23,6 +26,34 @@ from dsjax.model.lora import dropout_key_data, expert_matmuls
 from pallas_kernels.moe import permute, sorted_weights, swiglu, unpermute_sum
 from sharding import rules as shr
 from sharding.expert_parallel import moe_from_context, with_recompute
+
+
+EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # the routed experts' weights, [E, in, out]
+_STACKS = threading.local()
+
+
+@contextlib.contextmanager
+def expert_stacks(stacks, i: int):
+    """MoE layers run within this context read their routed-expert weights in place from
+    `stacks` ({name in EXPERT_PROJS: [L, E, in, out]}) at layer i (`grouped_matmul(in_stack=...)`):
+    for unrolled layers, whose per-layer weights are slices of these stacks and would otherwise
+    be copied out before every kernel, in the forward and again for dx (the 27-layer V2-Lite
+    LoRA step: ~78 copies of 369 MB). Same maths; a stack not in the compute dtype is ignored
+    (the per-layer cast is a copy either way). stacks None: per-layer weights."""
+    prev = getattr(_STACKS, "value", None)
+    _STACKS.value = None if stacks is None else (stacks, i)
+    try:
+        yield
+    finally:
+        _STACKS.value = prev
+
+
+def _in_stack(name: str, dt):
+    """(stack, i) of routed-expert weight `name` under `expert_stacks` when in dtype dt, else None."""
+    held = getattr(_STACKS, "value", None)
+    if held is None or held[0][name].dtype != dt:
+        return None
+    return held[0][name], held[1]
 
 
 class RouterBias(nnx.Variable):
@@ -129,12 +160,12 @@ class MoE(nnx.Module):
             pairs, s = self.experts.pairs(dt)
             rate = self.experts.rate()
 
-        g, u = expert_matmuls(xs, (self.gate_proj[...].astype(dt), self.up_proj[...].astype(dt)),
-                              pairs[:2], group_sizes, s, c.moe_impl, rate)
+        ws = tuple(getattr(self, p)[...].astype(dt) for p in EXPERT_PROJS)
+        in_stacks = tuple(_in_stack(p, dt) for p in EXPERT_PROJS)
+        g, u = expert_matmuls(xs, ws[:2], pairs[:2], group_sizes, s, c.moe_impl, rate, in_stacks[:2])
         w_rows = sorted_weights(weights, perm)
         h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
-        y, = expert_matmuls(h, (self.down_proj[...].astype(dt),), pairs[2:], group_sizes, s,
-                            c.moe_impl, rate)
+        y, = expert_matmuls(h, ws[2:], pairs[2:], group_sizes, s, c.moe_impl, rate, in_stacks[2:])
         return unpermute_sum(y, perm, c.num_experts_per_tok, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):

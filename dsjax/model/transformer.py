@@ -15,6 +15,7 @@ from dsjax.config import ModelConfig
 from dsjax.model.decoder import DecoderLayer
 from dsjax.model.layers import Linear, RMSNorm, dtype_of
 from dsjax.model.lora import dropout_key_data, layer_dropout
+from dsjax.model.moe import EXPERT_PROJS, MoE, expert_stacks
 from dsjax.model.mtp import MTP
 from dsjax.model.rope import inv_freq_and_attention_factor, rope_cos_sin, softmax_scale
 from pallas_kernels.flash_attention.reference import attention_reference
@@ -138,11 +139,16 @@ class DeepSeekModel(nnx.Module):
         if self.cfg.scan_layers:
             return jax.lax.scan(body, h, (state, jnp.arange(n, dtype=jnp.int32)))
         # unrolled: each stacked leaf is split once (`split_layers`), so its gradient is one
-        # materialised concatenate of the layers' gradients
+        # materialised concatenate of the layers' gradients; the routed experts' kernels read
+        # their weights from the stacks in place (`expert_stacks`)
         leaves, treedef = jax.tree.flatten(state)
+        stacks = None
+        if isinstance(getattr(stack, "mlp", None), MoE):
+            stacks = {p: getattr(stack.mlp, p)[...] for p in EXPERT_PROJS}
         stats = []
         for i, layer_leaves in enumerate(zip(*(split_layers(x) for x in leaves))):
-            h, st = body(h, (jax.tree.unflatten(treedef, layer_leaves), jnp.int32(i)))
+            with expert_stacks(stacks, i):
+                h, st = body(h, (jax.tree.unflatten(treedef, layer_leaves), jnp.int32(i)))
             stats.append(st)
         return h, jax.tree.map(lambda *xs: jnp.stack(xs), *stats)
 

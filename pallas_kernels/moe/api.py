@@ -168,11 +168,17 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 
-def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False):
+def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False, src=()):
+    """x @ w[g] (or w[g]^T); src = (stack [L*E, ...], offset int32 []) where w = the stack's
+    groups [offset, offset + E): the kernels (and the stand-in) read the stack, not w."""
     if backend == "stand_in":
         n = w.shape[1] if transpose_rhs else w.shape[2]
-        return _compile_only.stand_in(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype), x, w, gs)
+        return _compile_only.stand_in(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype), x,
+                                      *(src or (w,)), gs)
     if backend == "pallas":
+        if src:
+            return mosaic_gpu.gmm(x, src[0], gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
+                                  group_offset=src[1])
         return mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
     wr = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
     return grouped_matmul_reference(x, wr, gs, preferred_element_type=out_dtype)
@@ -187,44 +193,81 @@ def _tgmm_backend(backend, x, dy, gs, out_dtype):
     return grouped_matmul_transposed_reference(x, dy, gs, preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
-def _gmm(x, w, gs, out_dtype, backend):
-    return _gmm_backend(backend, x, w, gs, out_dtype)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
+def _gmm(x, w, gs, src, out_dtype, backend):
+    return _gmm_backend(backend, x, w, gs, out_dtype, src=src)
 
 
-def _gmm_fwd(x, w, gs, out_dtype, backend):
-    return _gmm(x, w, gs, out_dtype, backend), (x, w, gs)
+def _gmm_fwd(x, w, gs, src, out_dtype, backend):
+    # symbolic zeros: each argument comes as a CustomVJPPrimal (value, perturbed). x is kept only
+    # when w trains (frozen expert weights under LoRA need dx alone); x[:0] carries x's dtype.
+    # With src, w's value is read by nothing (XLA then drops the slice that made it): the
+    # forward and dx read the stack, and w only receives its gradient.
+    x_trains, w_trains = x.perturbed, w.perturbed
+    x, w, gs, src = x.value, w.value, gs.value, tuple(p.value for p in src)
+    res = (w[:0] if src else w, gs, src, x[:0] if x_trains else None, x if w_trains else None)
+    return _gmm(x, w, gs, src, out_dtype, backend), res
 
 
 def _gmm_bwd(out_dtype, backend, res, g):
-    x, w, gs = res
+    w, gs, src, x_dtype_of, x = res
+    nothing = (None,) * len(src)
+    if isinstance(g, jax.custom_derivatives.SymbolicZero):  # the output is unused
+        return None, None, None, nothing
+    x_dt = (x if x is not None else x_dtype_of).dtype
     if backend != "reference":
-        g = g.astype(x.dtype)
-    dx = _gmm_backend(backend, g, w, gs, x.dtype, transpose_rhs=True)
+        g = g.astype(x_dt)
+    dx = None
+    if x_dtype_of is not None:
+        dx = _gmm_backend(backend, g, w, gs, x_dt, transpose_rhs=True, src=src)
+    if x is None:
+        return dx, None, None, nothing
     dw = _tgmm_backend(backend, x, g, gs, w.dtype)
-    return dx, dw, None
+    if dx is not None:
+        # dw feeds nothing until the optimizer, so XLA may schedule it at the very end of the
+        # backward and keep every layer's x and g alive until then (unrolled layers: ~5 GB of
+        # [T*K, D] cotangents at the V2-Lite LoRA step's peak). Tied to dx, it runs here.
+        dx, dw = jax.lax.optimization_barrier((dx, dw))
+    return dx, dw, None, nothing
 
 
-_gmm.defvjp(_gmm_fwd, _gmm_bwd)
+_gmm.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
 
 
-def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None):
+def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None, in_stack=None):
     """Grouped GEMM over consecutive row groups: out[i] = x[i] @ w[g(i)].
 
     Args:
       x: [M, Kd]; w: [E, Kd, N] (same dtype for "pallas": bf16 or f16);
       group_sizes: [E] int, sum <= M; rows past the sum give zeros.
       preferred_element_type: output dtype (default x.dtype); accumulation is always fp32.
+      in_stack: None, or (stack, i) where w == stack[i], stack [L, E, Kd, N] in w's dtype and i
+        a Python int: the Mosaic GPU kernels then read layer i of the stack in place, in the
+        forward and for dx, so no copy of w is made for them (unrolled layers slice each
+        layer's weights out of their stack; XLA copies a slice that a kernel reads). w's value
+        is then unused and w still receives the gradient; the stack gets none through this
+        call. The reference backend reads w.
     Returns:
       [M, N]. Differentiable in x and w (custom VJP: dx by a grouped GEMM with transposed
-      weights, dw by a ragged-contraction grouped GEMM); group_sizes gets no gradient.
+      weights, dw by a ragged-contraction grouped GEMM, computed only when w is differentiated
+      and then tied to dx by an optimization barrier); group_sizes gets no gradient.
     Raises:
-      ValueError: unknown impl, or impl="pallas" with shapes/dtypes the kernels cannot take
-      (N and Kd multiples of 128, M >= 128).
+      ValueError: unknown impl, impl="pallas" with shapes/dtypes the kernels cannot take
+      (N and Kd multiples of 128, M >= 128), or an in_stack whose layer is not w's shape
+      and dtype or whose i is outside [0, L).
     """
     backend = _resolve(impl, x, w)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
-    return _gmm(x, w, group_sizes.astype(jnp.int32), out_dtype, backend)
+    src = ()
+    if in_stack is not None:
+        stack, i = in_stack
+        if stack.shape[1:] != w.shape or stack.dtype != w.dtype or not 0 <= i < stack.shape[0]:
+            raise ValueError(f"in_stack: layer {i} of {stack.dtype}{list(stack.shape)} is not w "
+                             f"{w.dtype}{list(w.shape)}")
+        if backend != "reference":
+            e = w.shape[0]
+            src = (stack.reshape(-1, *w.shape[1:]), jnp.asarray(i * e, jnp.int32))
+    return _gmm(x, w, group_sizes.astype(jnp.int32), src, out_dtype, backend)
 
 
 # ----------------------------------------------------------------------------- fused gate/up + SwiGLU

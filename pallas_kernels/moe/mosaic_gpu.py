@@ -199,12 +199,16 @@ def deinterleave_gate_up(h, block=None):
 
 @lower_once
 def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, epilogue=None,
-        return_h=False):
-    """Grouped GEMM: out[i] = x[i] @ w[g(i)] (or @ w[g(i)]^T when transpose_rhs).
+        return_h=False, group_offset=None):
+    """Grouped GEMM: out[i] = x[i] @ w[o + g(i)] (or @ w[o + g(i)]^T when transpose_rhs).
 
     Args:
-      x: [M, Kc] bf16/f16, rows sorted by group; w: [E, Kc, N] ([E, N, Kc] if transpose_rhs),
-        same dtype; group_sizes: [E] int, sum <= M.
+      x: [M, Kc] bf16/f16, rows sorted by group; w: [G, Kc, N] ([G, N, Kc] if transpose_rhs),
+        same dtype, G = E without group_offset; group_sizes: [E] int, sum <= M.
+      group_offset: None (o = 0), or o as an int32 scalar array (traced: one compiled kernel
+        serves every offset): w may then hold more groups than E, e.g. a layer stack
+        [L * E, ...] (a free reshape of [L, E, ...]) read in place at layer l with o = l * E.
+        The caller keeps 0 <= o <= G - E; it is not checked on the device.
       out_dtype: output dtype (default x.dtype); accumulation is fp32.
       config: TileConfig (default DEFAULT_CONFIG, TRANSPOSED_CONFIG when transpose_rhs).
       epilogue: None, or "swiglu": w's columns are gate/up interleaved in blocks of
@@ -221,13 +225,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     config = config or (TRANSPOSED_CONFIG if transpose_rhs else DEFAULT_CONFIG)
     check_dtypes(x, w)
     m, kc = x.shape
-    e = w.shape[0]
+    e = w.shape[0] if group_offset is None else group_sizes.shape[0]
     n = w.shape[1] if transpose_rhs else w.shape[2]
     kw = w.shape[2] if transpose_rhs else w.shape[1]
     if kw != kc:
         raise ValueError(f"contraction mismatch: x {x.shape}, w {w.shape}, {transpose_rhs=}")
-    if group_sizes.shape != (e,):
-        raise ValueError(f"group_sizes shape {group_sizes.shape} != ({e},)")
+    if group_sizes.shape != (e,) or e > w.shape[0]:
+        raise ValueError(f"group_sizes shape {group_sizes.shape} != ({e},) or more groups than w {w.shape}")
     if config.wg_split not in ("m", "n"):
         raise ValueError(f"wg_split={config.wg_split!r}: expected 'm' or 'n'")
     if epilogue not in (None, "swiglu"):
@@ -264,6 +268,9 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     grid_n = n // cta_n
     k_steps = kc // tk
     table = row_tile_table(group_sizes, mp, tm)
+    if group_offset is not None:  # row 4: the group of w each tile reads
+        off = jnp.asarray(group_offset, jnp.int32)
+        table = jnp.concatenate([table, (jnp.minimum(table[0], e - 1) + off)[None]])
     num_tiles = table.shape[1]
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
@@ -317,7 +324,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
                 lo = table_ref[2, t]
                 hi = table_ref[3, t]
                 real = g < e  # group e = rows past sum(group_sizes): store zeros
-                gw = jnp.minimum(g, e - 1)
+                gw = jnp.minimum(g, e - 1) if group_offset is None else table_ref[4, t]
                 if split_m:  # this warpgroup's rows [wlo, whi) of its wm-row half
                     wlo = jnp.clip(lo - wg * wm, 0, wm)
                     whi = jnp.clip(hi - wg * wm, 0, wm)

@@ -62,6 +62,16 @@ def test_identical_grouped_gemms_compile_once(monkeypatch):
     hashes = _kernel_hashes(layers, x, w, w, w, gs, monkeypatch=monkeypatch)
     assert len(hashes) == 2 and len(set(hashes)) == 2
 
+    # layers read in place from a stack [3 E, d, n] (traced group offsets): one kernel
+    def in_stack(x, stack, gs):
+        for i in range(3):
+            x = mosaic_gpu.gmm(x, stack, gs, group_offset=jnp.asarray(i * e, jnp.int32))
+        return mosaic_gpu.gmm(x, stack, gs, transpose_rhs=True, group_offset=jnp.asarray(e, jnp.int32))
+
+    stack = jax.ShapeDtypeStruct((3 * e, d, n), jnp.bfloat16)
+    hashes = _kernel_hashes(in_stack, x, stack, gs, monkeypatch=monkeypatch)
+    assert len(hashes) == 2  # one function called by the three layers, one for dx
+
     # without the wrapper, each call is its own kernel (what lower_once prevents)
     raw = mosaic_gpu.gmm.__wrapped__
     hashes = _kernel_hashes(lambda x, w, gs: raw(raw(x, w, gs), w, gs), x, w, gs,

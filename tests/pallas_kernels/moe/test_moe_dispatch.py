@@ -273,6 +273,47 @@ def test_mosaic_grouped_matmul_custom_vjp_bf16():
     assert rel_err(gw, gw_r) < 1e-2
 
 
+def test_grouped_matmul_gradients_only_where_needed():
+    """Frozen weights (only x differentiated): the same dx, no weight-gradient GEMM and no
+    barrier; weights alone: the same dw; both: dw tied to dx by one optimization barrier (so
+    XLA computes it in the layer's backward, not at the end)."""
+    x, w, dy = (a.astype(jnp.float32) for a in _operands(200, 64, 48, 4, seed=3))
+    gs = group_sizes_of("zipf", 200, 4, seed=3)
+    loss = lambda x, w: jnp.vdot(grouped_matmul(x, w, gs, impl="reference"), dy)
+    gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
+    gx_r = jax.grad(lambda x: jnp.vdot(grouped_matmul_reference(x, w, gs), dy))(x)
+    gw_r = jax.grad(lambda w: jnp.vdot(grouped_matmul_reference(x, w, gs), dy))(w)
+    assert rel_err(gx, gx_r) < 1e-6 and rel_err(gw, gw_r) < 1e-6
+    np.testing.assert_array_equal(jax.grad(loss)(x, w), gx)
+    np.testing.assert_array_equal(jax.grad(loss, argnums=1)(x, w), gw)
+    jx = str(jax.make_jaxpr(jax.grad(loss))(x, w))
+    jxw = str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1)))(x, w))
+    assert "optimization_barrier" not in jx and jxw.count("optimization_barrier") == 1
+    assert jx.count("dot_general") < jxw.count("dot_general")
+
+
+def test_grouped_matmul_in_stack_reads_the_layer_in_place():
+    """in_stack=(stack, i): the kernels read layer i of a [L, E, Kd, N] stack (group offset
+    i * E), in the forward and for dx: output and gradients bitwise those of w = stack[i], also
+    when w's value is garbage (the kernels never read it); a layer out of range raises."""
+    m, kd, n, e, layers = 136, 128, 256, 3, 3
+    x, _, dy = _operands(m, kd, n, e, seed=5)
+    stack = (jax.random.normal(jax.random.key(6), (layers, e, kd, n)) / 8).astype(jnp.bfloat16)
+    gs = group_sizes_of("zipf", 120, e, seed=5)  # 16 rows past the sum
+    for i in (0, 2):
+        out, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, gs, impl="pallas"), x, stack[i])
+        gx, gw = vjp(dy)
+        f = lambda x, w: grouped_matmul(x, w, gs, impl="pallas", in_stack=(stack, i))
+        out_s, vjp_s = jax.vjp(f, x, stack[i])
+        gx_s, gw_s = vjp_s(dy)
+        for a, b in ((out_s, out), (gx_s, gx), (gw_s, gw)):
+            np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+        np.testing.assert_array_equal(np.asarray(f(x, jnp.full_like(stack[i], jnp.nan)), np.float32),
+                                      np.asarray(out, np.float32))
+    with pytest.raises(ValueError, match="in_stack"):
+        grouped_matmul(x, stack[0], gs, impl="pallas", in_stack=(stack, layers))
+
+
 def test_fused_gate_up_swiglu_forward_and_grads():
     """gate_up_swiglu (one kernel: gate/up GEMM + SwiGLU on the fp32 accumulators) vs the fp32
     formula silu(x @ Wg) * (x @ Wu) per group, values and gradients; an empty expert."""
