@@ -36,14 +36,16 @@ dsjax builds the state as `python -m dsjax.train` builds a LoRA run from random 
 router stays fp32, adapters trainable with fp32 master weights and fp32 Adam moments. The one
 difference: init, partition and optimizer state run inside one jit, so the random fp32 base
 weights (63 GB) are never materialised beside their bf16 copies and the allocator's peak is the
-step's. Every dsjax row runs with model.scan_layers=true (compile time independent of depth; --set
-model.scan_layers=false unrolls the 27 layers, 2-3 minutes of compile on an H200);
-`--set` adds config overrides to every dsjax row (e.g. --set model.remat=dots_saveable).
+step's. Every dsjax row runs with the model's default unrolled layers (2-3 minutes of compile on an
+H200; --set model.scan_layers=true scans them: under a minute, ~15 % slower) and
+model.moe_recompute=true (the MoE blocks recompute their permutations and SwiGLUs in the
+backward); `--set` adds config overrides to every dsjax row (e.g. --set model.remat=dots_saveable).
 
 Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01 and 2026-12-02, no remat): dsjax_attn
 73.6 GB, dsjax_all 94.2 GB (54.8 GB as dsjax_all_dots), both before the residual cuts of f4d032a;
-dsjax_all with --set model.moe_recompute=true 59.5 GB (d6372b4; 65.1 GB with model.scan_layers=false
-as well, 10 % faster). Frozen bf16 weights are 15.7 B x
+dsjax_all with model.moe_recompute=true 59.5 GB with model.scan_layers=true (d6372b4), 57.4 GB
+unrolled and 14 % faster (47a6109: the expert kernels read the frozen weights in place from their
+stacks). Frozen bf16 weights are 15.7 B x
 2 B = 31.4 GB and the adapters ~0.29 B x 16 B (fp32 master, gradient, two moments) = 4.6 GB; the
 rest is the activations of 27 scanned layers, which `model.moe_recompute` and `model.remat` trade
 for recompute. `python -m dsjax.plan` (CPU compile of this step, 1 device; it gave 74.5 GB for
@@ -109,7 +111,7 @@ DEFAULT_ROWS = "dsjax_all_dots,hf_peft,dsjax_all,dsjax_attn"
 RANK, ALPHA = 16, 32
 # the optimizer as the HF row's torch AdamW(lr=1e-4) with its default weight decay 0.01: constant
 # rate, no warmup, so both rows' losses move alike over the few timed steps
-DSJAX_BASE = ["model.scan_layers=true", f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "lora.dropout=0.0",
+DSJAX_BASE = ["model.moe_recompute=true", f"lora.rank={RANK}", f"lora.alpha={ALPHA}", "lora.dropout=0.0",
               "optim.learning_rate=1e-4", "optim.warmup_steps=0", "optim.schedule=constant",
               "optim.weight_decay=0.01"]
 TINY = ["model.vocab_size=1024", "model.hidden_size=128", "model.num_attention_heads=2",
@@ -371,7 +373,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=None, help="default 2048 (128 with --tiny)")
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first (>= 1)")
-    p.add_argument("--time-budget", type=float, default=500.0,
+    p.add_argument("--time-budget", type=float, default=900.0,
                    help="seconds: rows not started by then are skipped; a row running at budget + 60 s is killed")
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="dsjax config overrides for every dsjax row (the HF rows keep the geometry)")
