@@ -208,20 +208,20 @@ def test_config_errors():
         flash_attention_mosaic(q, k, v, interpret=plgpu.InterpretGPUParams())
 
 
-def test_kernel_no_races():
-    """GPU interpret mode with race detection: forward and backward, one small MLA case, with
-    the kernels' named barriers interpreted (`_hopper.interpret_params`)."""
+def test_kernel_no_races(kernel_races):
+    """GPU interpret mode with race detection: forward and backward (the forward again, the dq
+    and the dk/dv kernels), one small MLA case, with the kernels' named barriers interpreted
+    (`_hopper.interpret_params`); every launch checked (`kernel_races`)."""
     if ON_GPU:
         pytest.skip("race detection is a CPU interpret-mode check; compiled cases run above")
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     q, k, v, _ = _inputs(3, 1, 100, 100, 1, 1, 192, 128, jnp.bfloat16)
     ip = interpret_params(detect_races=True)
     f = lambda q, k, v: flash_attention_mosaic(q, k, v, causal=True, interpret=ip)[0]
     o = f(q, k, v)
-    assert not gpu_callbacks.get_races().races_found
+    assert kernel_races == [False]
     g = jax.grad(lambda *a: f(*a).astype(jnp.float32).sum(), (0, 1, 2))(q, k, v)
     jax.block_until_ready(g)
-    assert not gpu_callbacks.get_races().races_found
+    assert len(kernel_races) == 4 and not any(kernel_races), kernel_races
     assert _rel(o, attention_naive(q, k, v, causal=True)[0]) < 1e-2
 
 

@@ -407,9 +407,8 @@ def test_scatter_rows_errors():
 
 
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
-def test_scatter_rows_no_races():
+def test_scatter_rows_no_races(kernel_races):
     """GPU interpret mode with race detection, ragged T (the last block shifted back)."""
-    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
     t, k, d = 21, 3, 256
     x = jax.random.normal(jax.random.key(5), (t, d)).astype(jnp.bfloat16)
     ids = jnp.asarray(np.random.default_rng(5).integers(0, 6, (t, k)), jnp.int32)
@@ -417,7 +416,27 @@ def test_scatter_rows_no_races():
     out = dispatch.scatter_rows(x, dest, rows=4,
                                 interpret=_hopper.interpret_params(detect_races=True))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[np.asarray(perm) // k])
-    assert not gpu_callbacks.get_races().races_found
+    assert kernel_races == [False]
+
+
+@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
+def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
+    """GPU interpret mode with race detection, one launch each: the forward GEMM in both
+    warpgroup splits, with the SwiGLU epilogue, transposed weights (dx), a group offset into a
+    stack, and the weight-gradient GEMM; a 136-row x with an empty group and rows past the sum."""
+    monkeypatch.setattr(mosaic_gpu, "default_interpret",
+                        lambda: _hopper.interpret_params(detect_races=True))
+    gmm, tgmm = mosaic_gpu.gmm.__wrapped__, mosaic_gpu.tgmm.__wrapped__  # traced afresh
+    m, kd, n, e = 136, 128, 256, 3
+    x, w, dy = _operands(m, kd, n, e, seed=8)
+    gs = jnp.asarray([70, 0, 50], jnp.int32)
+    outs = [gmm(x, w, gs), gmm(x, w, gs, config=M_CONFIG), gmm(x, w, gs, epilogue="swiglu"),
+            gmm(dy, w, gs, transpose_rhs=True),
+            gmm(x, jnp.concatenate([w, w]), gs, group_offset=jnp.asarray(e, jnp.int32)),
+            tgmm(x, dy, gs)]
+    jax.block_until_ready(outs)
+    assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
+    np.testing.assert_array_equal(np.asarray(outs[4], np.float32), np.asarray(outs[0], np.float32))
 
 
 def test_permute_pallas_bit_identical_to_reference_with_grad():
