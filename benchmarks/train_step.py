@@ -158,7 +158,7 @@ def classify(name: str, text: str, funcs: list[str]) -> str:
     f = " ".join(funcs)
     if not text:  # the trace named a kernel that is not an op of the step's HLO
         return "memcpy" if "memcpy" in name.lower() else "unmapped"
-    if "grouped_lora_delta" in f or "LoraAdapter." in f:
+    if "lora_factors" in f or "LoraAdapter." in f:  # the fused t B counts as an MoE kernel
         return "LoRA adapters (GEMMs, glue)"
     if "mosaic_gpu" in text:
         return "attention kernels" if "flash_attention" in f else "MoE kernels (GEMMs, permute)"

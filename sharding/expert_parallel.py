@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import (grouped_lora_delta, grouped_lora_deltas, grouped_matmul, lora_dropout,
+from pallas_kernels.moe import (grouped_lora_matmuls, grouped_matmul, lora_dropout,
                                 permute, sorted_weights, swiglu, unpermute_sum)
 
 EXPERT = "expert"
@@ -82,27 +82,24 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
     w = jnp.where(mine, weights, 0.0)
     xs, group_sizes, perm = permute(x.astype(dtype), local, num_experts=El + 1, impl=impl)
     gs = group_sizes[:El]
-    g = grouped_matmul(xs, w_gate.astype(dtype), gs, impl=impl)
-    u = grouped_matmul(xs, w_up.astype(dtype), gs, impl=impl)
-    if lora is not None:
+    ws = (w_gate.astype(dtype), w_up.astype(dtype))
+    if lora is None:
+        g, u = (grouped_matmul(xs, w_, gs, impl=impl) for w_ in ws)
+    else:  # one x A GEMM for the gate and up adapters; t B inside each base GEMM
         (pg, pu, pd), s = lora["pairs"], lora["scale"]
         key = lora["key"]
         if key is not None:  # a different mask on every expert rank
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
         keys = [None if key is None else jax.random.fold_in(key, i) for i in range(3)]
-        xd = lora_dropout(xs, lora["rate"], keys[0])
-        gu, live = [g, u], [i for i, p in enumerate((pg, pu)) if p is not None]
-        if live:  # one x A GEMM for the gate and up adapters
-            deltas = grouped_lora_deltas(xd, [(pg, pu)[i] for i in live], gs, scale=s, impl=impl)
-            for i, d in zip(live, deltas):
-                gu[i] = gu[i] + d
-        g, u = gu
+        g, u = grouped_lora_matmuls(xs, ws, (pg, pu), gs, scale=s, impl=impl,
+                                    x_adapter=lora_dropout(xs, lora["rate"], keys[0]))
     w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
     h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
-    y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
-    if lora is not None and pd is not None:
-        hd = lora_dropout(h, lora["rate"], keys[2])
-        y = y + grouped_lora_delta(hd, pd[0], pd[1], gs, scale=s, impl=impl)
+    if lora is None or pd is None:
+        y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
+    else:
+        y, = grouped_lora_matmuls(h, (w_down.astype(dtype),), (pd,), gs, scale=s, impl=impl,
+                                  x_adapter=lora_dropout(h, lora["rate"], keys[2]))
     return unpermute_sum(y, perm, ids.shape[1], impl=impl).astype(jnp.float32)
 
 

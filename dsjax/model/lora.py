@@ -12,7 +12,7 @@ parameters and their random init untouched; their leaves are named `lora_A` / `l
 The rank dimension has the logical name `lora`, which no sharding preset maps (replicated); the
 other dimensions carry their base weight's names, so adapters shard like their weights.
 Routed-expert adapters run through the same grouped GEMM as the base experts, ragged over the
-same group sizes (`pallas_kernels.moe.grouped_lora_deltas`), never as a per-expert loop.
+same group sizes (`pallas_kernels.moe.grouped_lora_matmuls`), never as a per-expert loop.
 
 Dropout (PEFT's `lora_dropout`, on the adapter's input only) is active while a `dropout_rng`
 context is: the train step opens one per micro-batch with a key derived from the step. Each
@@ -34,7 +34,7 @@ from flax import nnx
 
 from dsjax.config import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP, LoraConfig, ModelConfig
 from dsjax.model.layers import Linear
-from pallas_kernels.moe import grouped_lora_deltas, grouped_matmul, lora_dropout
+from pallas_kernels.moe import grouped_lora_matmuls, lora_dropout
 
 ADAPTER_LEAVES = ("lora_A", "lora_B")
 _LOCAL = threading.local()
@@ -146,19 +146,13 @@ def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: flo
     """Routed-expert projections of the same rows, each with its adapter: x [M, Din] rows sorted
     by expert, ws (w [E, Din, N_i], ...), pairs ((A [E, Din, r], B [E, r, N_i]) or None, ...) ->
     tuple of [M, N_i] in x.dtype. The adapters share one dropout mask of x (as PEFT's adapter
-    on the fused gate_up_proj does) and one x A GEMM (`grouped_lora_deltas`); every GEMM is
-    grouped over the same `group_sizes` [E] as the base GEMM. in_stacks: None, or per w None or
-    (stack, i) with w = stack[i], read in place (`grouped_matmul(in_stack=...)`)."""
-    in_stacks = in_stacks or (None,) * len(ws)
-    ys = [grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st) for w, st in zip(ws, in_stacks)]
-    live = [i for i, p in enumerate(pairs) if p is not None]
-    if not live:
-        return tuple(ys)
-    deltas = grouped_lora_deltas(_dropout(x, rate), [pairs[i] for i in live], group_sizes,
-                                 scale=scale, impl=impl)
-    for i, d in zip(live, deltas):
-        ys[i] = ys[i] + d
-    return tuple(ys)
+    on the fused gate_up_proj does) and one x A GEMM; each adapter's t B runs inside its base
+    GEMM (`grouped_lora_matmuls`); every GEMM is grouped over the same `group_sizes` [E].
+    in_stacks: None, or per w None or (stack, i) with w = stack[i], read in place
+    (`grouped_matmul(in_stack=...)`)."""
+    live = any(p is not None for p in pairs)
+    return grouped_lora_matmuls(x, ws, pairs, group_sizes, scale=scale, impl=impl,
+                                x_adapter=_dropout(x, rate) if live else None, in_stacks=in_stacks)
 
 
 # ----------------------------------------------------------------------------- attach

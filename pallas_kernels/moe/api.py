@@ -75,11 +75,23 @@ def _hopper():
     return _compile_only.active() or on_hopper()
 
 
-def _resolve(impl, x, w):
+def _extra_fits(x, extra):
+    """None if the Mosaic GPU kernels take gmm's extra contraction (t, b), else the reason."""
+    if not extra:
+        return None
+    t, b = extra
+    if t.dtype != x.dtype or b.dtype != x.dtype:
+        return f"extra: t {t.dtype} and b {b.dtype} must be x's dtype {x.dtype}"
+    if t.shape[1] % mosaic_gpu.TileConfig().tile_k:
+        return f"extra: width {t.shape[1]} must be a multiple of {mosaic_gpu.TileConfig().tile_k}"
+    return None
+
+
+def _resolve(impl, x, w, extra=()):
     _check(impl)
     if impl == "reference":
         return "reference"
-    reason = _pallas_fits(x, w)
+    reason = _pallas_fits(x, w) or _extra_fits(x, extra)
     if impl == "pallas":
         if reason:
             raise ValueError(f"impl='pallas': {reason}")
@@ -168,20 +180,37 @@ def permute(x, topk_ids, *, num_experts, impl="auto"):
 
 # ----------------------------------------------------------------------------- grouped GEMM
 
-def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False, src=()):
-    """x @ w[g] (or w[g]^T); src = (stack [L*E, ...], offset int32 []) where w = the stack's
+def _gmm_backend(backend, x, w, gs, out_dtype, transpose_rhs=False, src=(), extra=()):
+    """x @ w[g] (or w[g]^T), plus t @ b[g] for extra = (t, b) (same orientation as w, summed
+    in the fp32 accumulator); src = (stack [L*E, ...], offset int32 []) where w = the stack's
     groups [offset, offset + E): the kernels (and the stand-in) read the stack, not w."""
     if backend == "stand_in":
         n = w.shape[1] if transpose_rhs else w.shape[2]
         return _compile_only.stand_in(jax.ShapeDtypeStruct((x.shape[0], n), out_dtype), x,
-                                      *(src or (w,)), gs)
+                                      *(src or (w,)), gs, *extra)
     if backend == "pallas":
+        kw = dict(transpose_rhs=transpose_rhs, out_dtype=out_dtype, extra=tuple(extra) or None)
         if src:
-            return mosaic_gpu.gmm(x, src[0], gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype,
-                                  group_offset=src[1])
-        return mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose_rhs, out_dtype=out_dtype)
-    wr = jnp.swapaxes(w, 1, 2) if transpose_rhs else w
-    return grouped_matmul_reference(x, wr, gs, preferred_element_type=out_dtype)
+            return mosaic_gpu.gmm(x, src[0], gs, group_offset=src[1], **kw)
+        return mosaic_gpu.gmm(x, w, gs, **kw)
+    orient = (lambda a: jnp.swapaxes(a, 1, 2)) if transpose_rhs else (lambda a: a)
+    if not extra:
+        return grouped_matmul_reference(x, orient(w), gs, preferred_element_type=out_dtype)
+    t, b = extra
+    out = (grouped_matmul_reference(x, orient(w), gs, preferred_element_type=jnp.float32)
+           + grouped_matmul_reference(t, orient(b), gs, preferred_element_type=jnp.float32))
+    return out.astype(out_dtype)
+
+
+def _extra_dt(backend, g, b, gs, t_dtype):
+    """dt = g @ b[g]^T [M, R] for gmm's extra (t, b): the kernels' output width is a multiple of
+    128, so b's rows are zero-padded up to one and the extra columns of dt dropped."""
+    r = b.shape[1]
+    rk = -(-r // 128) * 128
+    if backend != "pallas" or rk == r:
+        return _gmm_backend(backend, g, b, gs, t_dtype, transpose_rhs=True)
+    b = jnp.pad(b, ((0, 0), (0, rk - r), (0, 0)))
+    return _gmm_backend(backend, g, b, gs, t_dtype, transpose_rhs=True)[:, :r]
 
 
 def _tgmm_backend(backend, x, dy, gs, out_dtype):
@@ -193,52 +222,79 @@ def _tgmm_backend(backend, x, dy, gs, out_dtype):
     return grouped_matmul_transposed_reference(x, dy, gs, preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(4, 5))
-def _gmm(x, w, gs, src, out_dtype, backend):
-    return _gmm_backend(backend, x, w, gs, out_dtype, src=src)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def _gmm(x, w, gs, src, extra, out_dtype, backend):
+    return _gmm_backend(backend, x, w, gs, out_dtype, src=src, extra=extra)
 
 
-def _gmm_fwd(x, w, gs, src, out_dtype, backend):
+def _gmm_fwd(x, w, gs, src, extra, out_dtype, backend):
     # symbolic zeros: each argument comes as a CustomVJPPrimal (value, perturbed). x is kept only
     # when w trains (frozen expert weights under LoRA need dx alone); x[:0] carries x's dtype.
     # With src, w's value is read by nothing (XLA then drops the slice that made it): the
-    # forward and dx read the stack, and w only receives its gradient.
+    # forward and dx read the stack, and w only receives its gradient. extra (t, b): t is kept
+    # when b trains, b always (for dt, and db's dtype).
     x_trains, w_trains = x.perturbed, w.perturbed
-    x, w, gs, src = x.value, w.value, gs.value, tuple(p.value for p in src)
-    res = (w[:0] if src else w, gs, src, x[:0] if x_trains else None, x if w_trains else None)
-    return _gmm(x, w, gs, src, out_dtype, backend), res
+    b_trains = bool(extra) and extra[1].perturbed
+    x, w, gs = x.value, w.value, gs.value
+    src, extra = tuple(p.value for p in src), tuple(p.value for p in extra)
+    ex = (extra[0] if b_trains else None, extra[1]) if extra else ()
+    res = (w[:0] if src else w, gs, src, x[:0] if x_trains else None, x if w_trains else None, ex)
+    return _gmm(x, w, gs, src, extra, out_dtype, backend), res
+
+
+def _tie(anchor, grads, sources):
+    """Tie each weight gradient that is under half the size of its sources (the x or t and the
+    dy it came from) to `anchor` by one optimization barrier. Such a gradient feeds nothing
+    until the optimizer, so XLA may schedule it at the very end of the backward and keep every
+    layer's sources alive until then (unrolled layers: ~5 GB of [T*K, D] cotangents at the
+    V2-Lite LoRA step's peak); tied, it runs in its layer's backward. A base expert weight's
+    dw is as large as its x and dy, and tying it cost memory (+0.8 GB on the H200's 4-layer
+    full-training step), so XLA keeps its own order there."""
+    small = [i for i, (d, s) in enumerate(zip(grads, sources))
+             if d is not None and 2 * d.size < s]
+    if anchor is None or not small:
+        return anchor, grads
+    anchor, tied = jax.lax.optimization_barrier((anchor, [grads[i] for i in small]))
+    grads = list(grads)
+    for i, d in zip(small, tied):
+        grads[i] = d
+    return anchor, grads
 
 
 def _gmm_bwd(out_dtype, backend, res, g):
-    w, gs, src, x_dtype_of, x = res
+    w, gs, src, x_dtype_of, x, ex = res
     nothing = (None,) * len(src)
+    ex_nothing = (None,) * len(ex)
     if isinstance(g, jax.custom_derivatives.SymbolicZero):  # the output is unused
-        return None, None, None, nothing
+        return None, None, None, nothing, ex_nothing
     x_dt = (x if x is not None else x_dtype_of).dtype
     if backend != "reference":
         g = g.astype(x_dt)
-    dx = None
+    dx = dw = dt = db = None
     if x_dtype_of is not None:
         dx = _gmm_backend(backend, g, w, gs, x_dt, transpose_rhs=True, src=src)
-    if x is None:
-        return dx, None, None, nothing
-    dw = _tgmm_backend(backend, x, g, gs, w.dtype)
-    if dx is not None and 2 * dw.size < x.size + g.size:
-        # dw feeds nothing until the optimizer, so XLA may schedule it at the very end of the
-        # backward and keep every layer's x and g alive until then (unrolled layers: ~5 GB of
-        # [T*K, D] cotangents at the V2-Lite LoRA step's peak). Where dw is much smaller than
-        # the x and g it frees (LoRA factors: ~7x), it is tied to dx and runs here. A base
-        # expert weight's dw is as large as its x and g, and tying it cost memory (+0.8 GB
-        # on the H200's 4-layer full-training step), so XLA keeps its own order there.
-        dx, dw = jax.lax.optimization_barrier((dx, dw))
-    return dx, dw, None, nothing
+    if x is not None:
+        dw = _tgmm_backend(backend, x, g, gs, w.dtype)
+    if ex:
+        t, b = ex
+        dt = _extra_dt(backend, g, b, gs, b.dtype)
+        if t is not None:
+            db = _tgmm_backend(backend, t, g, gs, b.dtype)
+    sources = (x.size + g.size if x is not None else 0, t.size + g.size if db is not None else 0)
+    anchor, (dw, db) = _tie(dx if dx is not None else dt, (dw, db), sources)
+    if dx is not None:
+        dx = anchor
+    else:
+        dt = anchor
+    return dx, dw, None, nothing, (dt, db) if ex else ()
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
 
 
-def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None, in_stack=None):
-    """Grouped GEMM over consecutive row groups: out[i] = x[i] @ w[g(i)].
+def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None, in_stack=None,
+                   extra=None):
+    """Grouped GEMM over consecutive row groups: out[i] = x[i] @ w[g(i)] (+ t[i] @ b[g(i)]).
 
     Args:
       x: [M, Kd]; w: [E, Kd, N] (same dtype for "pallas": bf16 or f16);
@@ -250,17 +306,27 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         layer's weights out of their stack; XLA copies a slice that a kernel reads). w's value
         is then unused and w still receives the gradient; the stack gets none through this
         call. The reference backend reads w.
+      extra: None, or (t [M, R], b [E, R, N]): t[i] @ b[g(i)] is added in the same fp32
+        accumulator (a LoRA adapter's second factor: no [M, N] product written and added in
+        another pass). For the kernels, t and b are in x's dtype and R is a multiple of 64.
     Returns:
-      [M, N]. Differentiable in x and w (custom VJP: dx by a grouped GEMM with transposed
-      weights, dw by a ragged-contraction grouped GEMM, computed only when w is differentiated
-      and tied to dx by an optimization barrier when dw is under half the size of x and dy
-      together); group_sizes gets no gradient.
+      [M, N]. Differentiable in x, w, t and b (custom VJP: dx by a grouped GEMM with transposed
+      weights, dw by a ragged-contraction grouped GEMM, computed only when w is differentiated;
+      dt = dy b^T and db = t^T dy likewise; a weight gradient under half the size of its
+      sources is tied to dx (or dt) by an optimization barrier); group_sizes gets no gradient.
     Raises:
       ValueError: unknown impl, impl="pallas" with shapes/dtypes the kernels cannot take
-      (N and Kd multiples of 128, M >= 128), or an in_stack whose layer is not w's shape
-      and dtype or whose i is outside [0, L).
+      (N and Kd multiples of 128, M >= 128), an in_stack whose layer is not w's shape and
+      dtype or whose i is outside [0, L), or an extra whose shapes do not fit x and w.
     """
-    backend = _resolve(impl, x, w)
+    extra = tuple(extra) if extra is not None else ()
+    if extra:
+        t, b = extra
+        e, _, n = w.shape
+        if t.ndim != 2 or t.shape[0] != x.shape[0] or b.shape != (e, t.shape[1], n):
+            raise ValueError(f"extra: t {list(t.shape)} and b {list(b.shape)} do not fit x "
+                             f"{list(x.shape)} and w {list(w.shape)} (want t [M, R], b [E, R, N])")
+    backend = _resolve(impl, x, w, extra)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     src = ()
     if in_stack is not None:
@@ -271,7 +337,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         if backend != "reference":
             e = w.shape[0]
             src = (stack.reshape(-1, *w.shape[1:]), jnp.asarray(i * e, jnp.int32))
-    return _gmm(x, w, group_sizes.astype(jnp.int32), src, out_dtype, backend)
+    return _gmm(x, w, group_sizes.astype(jnp.int32), src, extra, out_dtype, backend)
 
 
 # ----------------------------------------------------------------------------- fused gate/up + SwiGLU

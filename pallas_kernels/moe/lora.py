@@ -1,17 +1,17 @@
-"""LoRA on grouped (per-expert) weights: the low-rank update of a grouped GEMM, computed by two
-grouped GEMMs over the same row groups as the base GEMM.
+"""LoRA on grouped (per-expert) weights: the low-rank update of a grouped GEMM over the same
+row groups as the base GEMM.
 
 Legend: M rows sorted by group, Kd input width, N output width, E groups (experts), r rank.
-delta[i] = (x[i] @ A[g(i)]) @ B[g(i)] * scale, the adapter term of
-x[i] @ (W[g(i)] + A[g(i)] B[g(i)] scale) (Hu et al. 2021, arXiv 2106.09685, eq. 3), with the
-per-expert factors of SkyRL tx's `LoRAExpert`. The Mosaic GPU kernels take widths that are
-multiples of 128, so where they run, the rank is zero-padded to the next multiple of 128 (A's
-extra columns and B's extra rows are zeros: the product, and the gradients of the real
-columns and rows, are exact); at rank 16 that is 8x the adapter GEMMs' FLOPs, still a small
-share of the base GEMM's, where the fallback `lax.ragged_dot` runs ~50x slower than the kernels
-on an H200. Adapters of GEMMs that share their input (gate and up) share the first GEMM
-(`grouped_lora_deltas`). Gradients come from `grouped_matmul`'s custom VJP (dx, dA, dB grouped
-GEMMs).
+y[i] = x[i] @ W[g(i)] + scale * (x[i] @ A[g(i)]) @ B[g(i)], i.e. x[i] @ (W[g(i)] + A[g(i)]
+B[g(i)] scale) (Hu et al. 2021, arXiv 2106.09685, eq. 3), with the per-expert factors of SkyRL
+tx's `LoRAExpert`. t = x @ A is one grouped GEMM (shared by the adapters of GEMMs with the
+same input: gate and up); t @ B runs inside the base GEMM as one more contraction into its
+accumulator (`grouped_matmul(extra=...)`). The Mosaic GPU kernels take output widths that are
+multiples of 128 and contractions in steps of 64, so where they run, A is zero-padded to 128
+columns and t and B to a multiple of 64 (zero columns and rows: the product, and the gradients
+of the real columns and rows, are exact); the fallback `lax.ragged_dot` runs ~50x slower than
+the kernels on an H200. Gradients come from `grouped_matmul`'s custom VJP (dx, dA, dt, dB
+grouped GEMMs).
 """
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from pallas_kernels.moe import api
 
 
 KERNEL_WIDTH = 128  # the Mosaic GPU grouped GEMMs' width granule (output and contraction)
+CONTRACTION_STEP = 64  # their contraction step: an extra contraction's width is a multiple
 
 
 def _impl_for(impl, x, w):
@@ -58,33 +59,32 @@ def padded_rank(x, a, b, impl):
     return rp
 
 
-def grouped_lora_deltas(x, pairs, group_sizes, *, scale: float, impl: str = "auto"):
-    """The adapter terms of grouped GEMMs that share their input rows x (the routed experts'
-    gate and up projections), with one GEMM for all their A factors.
+def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto"):
+    """The shared first factor and the placed second factors of LoRA adapters on grouped GEMMs
+    that share their input rows x (the routed experts' gate and up projections).
 
     t = x @ [A_1 | A_2 | ...] is one grouped GEMM of width R = r_1 + r_2 + ... (padded to
-    KERNEL_WIDTH where the kernels run, so two rank-16 adapters cost what one does), and
-    delta_i = t @ B_i', where B_i' is scale * B_i placed in rows r_1 + ... + r_(i-1) onwards of
-    an [E, R, N_i] zero block: the padded t feeds every second GEMM without a slice or pad.
-    In the backward the cotangents of t add up ([M, R]), so dx and the dA of all adapters
-    are one grouped GEMM each. The scale multiplies B (fp32, then cast), never an [M, N]
-    tensor: exact for power-of-two scales (alpha / r = 2 by default), one bf16 rounding of
-    the scaled B otherwise.
+    KERNEL_WIDTH where the kernels run, so two rank-16 adapters cost what one does); its r real
+    columns are named "lora_t" for remat policies and zero-padded to a multiple of the kernels'
+    contraction step (64). B_i' is scale * B_i placed in rows r_1 + ... + r_(i-1) onwards of an
+    [E, R', N_i] zero block, so t @ B_i' is adapter i's term and needs no slice of t. In the
+    backward the cotangents of t add up, so dx and the dA of all adapters are one grouped GEMM
+    each. The scale multiplies B (fp32, then cast), never an [M, N] tensor: exact for
+    power-of-two scales (alpha / r = 2 by default), one bf16 rounding of the scaled B otherwise.
 
     Args:
       x: [M, Kd] rows grouped consecutively by `group_sizes` (bf16/f16/fp32).
       pairs: sequence of (A [E, Kd, r_i], B [E, r_i, N_i]) (cast to x.dtype).
-      group_sizes: [E] int, sum <= M (rows past the sum give zeros, as in `grouped_matmul`).
-      scale: alpha / r; impl: "auto" | "pallas" | "reference" ("pallas" falls back to "auto"
-        for the GEMMs the kernels cannot take).
+      group_sizes: [E] int, sum <= M; scale: alpha / r; impl: "auto" | "pallas" | "reference"
+        ("pallas" falls back to "auto" for the GEMMs the kernels cannot take).
     Returns:
-      tuple of [M, N_i] in x.dtype: scale * (x[i] @ A_i[g(i)]) @ B_i[g(i)], fp32 accumulation
-      in each GEMM. Differentiable in x and every A, B.
+      (t [M, R'] in x.dtype, (B_1' [E, R', N_1], ...) in x.dtype), R' = r where the kernels do
+      not run. Differentiable in x and every A, B.
     Raises:
       ValueError: unknown impl, or no pairs.
     """
     if not pairs:
-        raise ValueError("grouped_lora_deltas: no (A, B) pairs")
+        raise ValueError("lora_factors: no (A, B) pairs")
     ranks = [a.shape[-1] for a, _ in pairs]
     a = jnp.concatenate([a.astype(x.dtype) for a, _ in pairs], axis=-1)
     bs = [(b.astype(jnp.float32) * scale).astype(x.dtype) for _, b in pairs]
@@ -94,28 +94,43 @@ def grouped_lora_deltas(x, pairs, group_sizes, *, scale: float, impl: str = "aut
     if rp != r:
         a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
     t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
-    # named for remat policies (`jax.checkpoint_policies.save_only_these_names`): only the r real
-    # columns (the padded ones are exact zeros), padded again for the second GEMMs
-    t = jnp.pad(checkpoint_name(t[:, :r], "lora_t"), ((0, 0), (0, rp - r)))
-    outs, lo = [], 0
+    rc = r if rp == r else -(-r // CONTRACTION_STEP) * CONTRACTION_STEP
+    t = jnp.pad(checkpoint_name(t[:, :r], "lora_t"), ((0, 0), (0, rc - r)))
+    placed, lo = [], 0
     for ri, b in zip(ranks, bs):
-        if rp == r:  # unpadded: each adapter's own columns of t (all of t for one adapter)
-            ti, bi = t[:, lo:lo + ri], b
-        else:  # padded: B's rows placed at this adapter's columns of t
-            ti, bi = t, jnp.pad(b, ((0, 0), (lo, rp - lo - ri), (0, 0)))
-        outs.append(api.grouped_matmul(ti, bi, group_sizes, impl=_impl_for(impl, ti, bi)))
+        placed.append(jnp.pad(b, ((0, 0), (lo, rc - lo - ri), (0, 0))))
         lo += ri
-    return tuple(outs)
+    return t, tuple(placed)
 
 
-def grouped_lora_delta(x, a, b, group_sizes, *, scale: float, impl: str = "auto"):
-    """The adapter term of one grouped GEMM: `grouped_lora_deltas(x, ((a, b),), ...)[0]`.
+def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str = "auto",
+                         x_adapter=None, in_stacks=None):
+    """Grouped GEMMs of the same rows x, each with its LoRA adapter:
+    y_i = x @ W_i[g] + scale * (x_a @ A_i[g]) @ B_i[g] (Hu et al. 2021, eq. 3, per expert).
+
+    The adapters share one x_a A GEMM (`lora_factors`); each y_i is one grouped GEMM whose
+    accumulator also takes t @ B_i' (`grouped_matmul(extra=...)`), so no [M, N_i] adapter term
+    is written and added in another pass.
 
     Args:
-      x: [M, Kd]; a: [E, Kd, r]; b: [E, r, N]; group_sizes: [E] int; scale, impl: as there.
+      x: [M, Kd] rows grouped by `group_sizes`; ws: (W_i [E, Kd, N_i], ...);
+      pairs: per W_i (A [E, Kd, r], B [E, r, N_i]) or None (no adapter);
+      group_sizes: [E] int, sum <= M; scale: alpha / r; impl: as in `grouped_matmul`;
+      x_adapter: the adapters' input (x with LoRA dropout), default x;
+      in_stacks: None, or per W_i None or (stack, i) (`grouped_matmul(in_stack=...)`).
     Returns:
-      [M, N] in x.dtype: scale * (x[i] @ a[g(i)]) @ b[g(i)].
+      tuple of [M, N_i] in x.dtype, fp32 accumulation. Differentiable in x, x_adapter and
+      every W, A, B.
     Raises:
-      ValueError: unknown impl.
+      ValueError: as `grouped_matmul`.
     """
-    return grouped_lora_deltas(x, ((a, b),), group_sizes, scale=scale, impl=impl)[0]
+    in_stacks = in_stacks or (None,) * len(ws)
+    live = [i for i, p in enumerate(pairs) if p is not None]
+    extras = [None] * len(ws)
+    if live:
+        xa = x if x_adapter is None else x_adapter
+        t, placed = lora_factors(xa, [pairs[i] for i in live], group_sizes, scale=scale, impl=impl)
+        for i, b in zip(live, placed):
+            extras[i] = (t, b)
+    return tuple(api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex)
+                 for w, st, ex in zip(ws, in_stacks, extras))

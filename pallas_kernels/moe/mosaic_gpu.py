@@ -199,8 +199,9 @@ def deinterleave_gate_up(h, block=None):
 
 @lower_once
 def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, epilogue=None,
-        return_h=False, group_offset=None):
-    """Grouped GEMM: out[i] = x[i] @ w[o + g(i)] (or @ w[o + g(i)]^T when transpose_rhs).
+        return_h=False, group_offset=None, extra=None):
+    """Grouped GEMM: out[i] = x[i] @ w[o + g(i)] (or @ w[o + g(i)]^T when transpose_rhs),
+    plus t[i] @ b[g(i)] (or @ b[g(i)]^T) with `extra`.
 
     Args:
       x: [M, Kc] bf16/f16, rows sorted by group; w: [G, Kc, N] ([G, N, Kc] if transpose_rhs),
@@ -216,6 +217,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         computed from the fp32 accumulators, [M, N/2] (no transpose_rhs).
       return_h: with epilogue="swiglu", also return the pre-activation h = x @ w [M, N]
         (interleaved layout, out_dtype) for the backward pass.
+      extra: None, or (t [M, R], b [E, R, N] ([E, N, R] if transpose_rhs)), same dtype as x,
+        R a multiple of tile_k: one more contraction into the same fp32 accumulator, e.g. a
+        LoRA adapter's second factor (x W + (x A) B without writing (x A) B or adding it in
+        another pass). b is indexed by the group alone (no group_offset). Each compute
+        warpgroup loads its t rows and b columns by TMA while its main loop runs; the column
+        tile is then capped at 64 per warpgroup so the pipeline keeps its stages. Not with
+        epilogue="swiglu".
     Returns:
       [M, N] ([M, N/2] for swiglu; (act, h) when return_h); rows past sum(group_sizes) are 0.
     Raises:
@@ -245,6 +253,15 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     tm, tk = config.tile_m, config.tile_k
     split_m = config.wg_split == "m"
     tn = 128 if swiglu else min(config.tile_n, pick_tile_n(n))
+    if extra is not None:
+        t_x, b_x = extra
+        check_dtypes(x, t_x, b_x)
+        r = t_x.shape[1]
+        b_want = (e, n, r) if transpose_rhs else (e, r, n)
+        if swiglu or t_x.shape != (m, r) or r % tk or tuple(b_x.shape) != b_want:
+            raise ValueError(f"extra: t {t_x.shape} and b {b_x.shape} do not fit x {x.shape} "
+                             f"(want t [{m}, R], R % {tk} == 0, b {list(b_want)}; no swiglu)")
+        tn = min(tn, 64)
     wm = tm // 2 if split_m else tm  # rows per compute warpgroup
 
     def wg_cols(tn):
@@ -263,6 +280,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     m_pad = -m % 8
     if m_pad:  # row tiles need 8-aligned row offsets up to m - tile_m
         x = jnp.pad(x, ((0, m_pad), (0, 0)))
+        if extra is not None:
+            t_x = jnp.pad(t_x, ((0, m_pad), (0, 0)))
     mp = m + m_pad
     cta_n = 2 * tn
     grid_n = n // cta_n
@@ -276,6 +295,11 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     a_tr = _transforms(tk, x.dtype)
     b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype)
     out_bytes = 2 * wm * wn * out_dtype.itemsize
+    if extra is not None:  # per compute warpgroup: its t rows [wm, R] and b columns
+        bx_block = (wn, r) if transpose_rhs else (r, wn)
+        t_tr = _transforms(r, x.dtype)
+        bx_tr = _transforms(r if transpose_rhs else wn, x.dtype)
+        out_bytes += 2 * (wm * r + r * wn) * itemsize
     stages = _stages((tm * tk + tk * cta_n) * itemsize, out_bytes, config.max_concurrent_steps)
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
@@ -297,6 +321,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         )
 
     def kernel(table_ref, x_ref, w_ref, *refs):
+        t_ref, b_ref = refs[:2] if extra is not None else (None, None)
+        refs = refs[2:] if extra is not None else refs
         o_ref = refs[0]
         h_ref = refs[1] if return_h else None
         ignore = lambda *_, **__: None
@@ -309,9 +335,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
             allocs=make_pipeline(ignore, ignore).get_allocations(
                 x_ref.at[pl.ds(0, tm), :], w_view0),
             out_smem=plgpu.SMEM(out_shape, out_dtype),
+            extra_smem=None if extra is None else (
+                plgpu.SMEM((2, wm, r), x.dtype, transforms=t_tr),
+                plgpu.SMEM((2, *bx_block), x.dtype, transforms=bx_tr)),
+            extra_bar=None if extra is None else plgpu.Barrier(num_barriers=4),
             collective_axes="wg",
         )
-        def _scope(allocs, out_smem):
+        def _scope(allocs, out_smem, extra_smem, extra_bar):
             wg = lax.axis_index("wg")
 
             @plgpu.nd_loop((num_tiles * grid_n,), collective_axes="sm")
@@ -353,7 +383,23 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
                     def context(run):
                         @functools.partial(pl.run_scoped, acc_ref=plgpu.ACC((wm, wn), jnp.float32))
                         def _acc(acc_ref):
+                            if extra is not None:  # this warpgroup's own slots and barriers
+                                t_s, b_s = extra_smem[0].at[wg], extra_smem[1].at[wg]
+                                gb = jnp.minimum(g, e - 1)
+                                b_src = (b_ref.at[gb, pl.ds(c0, wn), :] if transpose_rhs
+                                         else b_ref.at[gb, :, pl.ds(c0, wn)])
+                                plgpu.copy_gmem_to_smem(t_ref.at[pl.ds(r0, wm), :], t_s,
+                                                        extra_bar.at[2 * wg])
+                                plgpu.copy_gmem_to_smem(b_src, b_s, extra_bar.at[2 * wg + 1])
                             run(acc_ref)
+                            if extra is not None:
+                                plgpu.barrier_wait(extra_bar.at[2 * wg])
+                                plgpu.barrier_wait(extra_bar.at[2 * wg + 1])
+
+                                @pl.when(active)
+                                def _():
+                                    plgpu.wgmma(acc_ref, t_s,
+                                                b_s.transpose((1, 0)) if transpose_rhs else b_s)
                             plgpu.wgmma_wait(0)
                             acc = acc_ref[...]
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -403,7 +449,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=default_interpret(),
     )
-    outs = [o[:m] if m_pad else o for o in call(table, x, w)]
+    operands = (table, x, w) + ((t_x, b_x) if extra is not None else ())
+    outs = [o[:m] if m_pad else o for o in call(*operands)]
     return tuple(outs) if return_h else outs[0]
 
 

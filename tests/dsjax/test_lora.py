@@ -20,7 +20,7 @@ from dsjax.model.lora import expert_matmuls, merged_params, split_adapters
 from dsjax.train import finetune, runs
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import make_train_step
-from pallas_kernels.moe import grouped_lora_delta, grouped_lora_deltas
+from pallas_kernels.moe import grouped_lora_matmuls
 from pallas_kernels.moe.lora import padded_rank
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
@@ -164,15 +164,19 @@ def test_grouped_expert_lora_matches_per_expert_reference():
     g_ref = jax.jit(jax.grad(lambda *p: jnp.sum(ref(*p) * cot), argnums=(0, 1, 2, 3)))(x, w, a, b)
     for name, u, v in zip("xwab", g, g_ref):
         assert rel(u, v) < 1e-6, name
-    # the delta alone, and in bf16 against the fp32 reference
-    d16 = grouped_lora_delta(x.astype(jnp.bfloat16), a, b, gs, scale=s, impl="reference")
+    # the adapter term alone (zero base weights), and in bf16 against the fp32 reference
+    zero = lambda n: jnp.zeros((E, D, n), jnp.float32)  # noqa: E731
+    d16, = grouped_lora_matmuls(x.astype(jnp.bfloat16), (zero(N).astype(jnp.bfloat16),), ((a, b),), gs,
+                                scale=s, impl="reference")
     assert d16.dtype == jnp.bfloat16 and rel(d16, jax.jit(lambda *p: _ref_delta(*p, gs, s))(x, a, b)) < 2e-2
-    # two adapters of different ranks sharing x (one x [A | A2] GEMM): each its own delta
+    # two adapters of different ranks sharing x (one x [A | A2] GEMM), and a projection with none
     a2 = jnp.asarray(rng.normal(size=(E, D, r + 3)) * 0.3, jnp.float32)
     b2 = jnp.asarray(rng.normal(size=(E, r + 3, N + 8)) * 0.3, jnp.float32)
-    d1, d2 = jax.jit(lambda *p: grouped_lora_deltas(p[0], (p[1:3], p[3:]), gs, scale=s, impl="reference"))(
-        x, a, b, a2, b2)
+    d1, d2, y3 = jax.jit(lambda *p: grouped_lora_matmuls(p[0], (zero(N), zero(N + 8), p[5]),
+                                                         (p[1:3], p[3:5], None), gs, scale=s,
+                                                         impl="reference"))(x, a, b, a2, b2, w)
     assert rel(d1, _ref_delta(x, a, b, gs, s)) < 1e-6 and rel(d2, _ref_delta(x, a2, b2, gs, s)) < 1e-6
+    assert rel(y3, _ref_gmm(x, w, gs)) < 1e-6
 
 
 def test_adapter_gradients_follow_the_chain_rule_of_the_merged_weight():
