@@ -79,9 +79,9 @@ def _extra_fits(x, extra):
     """None if the Mosaic GPU kernels take gmm's extra contraction (t, b), else the reason."""
     if not extra:
         return None
-    t, b = extra
-    if t.dtype != x.dtype or b.dtype != x.dtype:
-        return f"extra: t {t.dtype} and b {b.dtype} must be x's dtype {x.dtype}"
+    t = extra[0]
+    if any(p.dtype != x.dtype for p in extra):
+        return f"extra: {[str(p.dtype) for p in extra]} must be x's dtype {x.dtype}"
     if t.shape[1] % mosaic_gpu.TileConfig().tile_k:
         return f"extra: width {t.shape[1]} must be a multiple of {mosaic_gpu.TileConfig().tile_k}"
     return None
@@ -224,20 +224,20 @@ def _tgmm_backend(backend, x, dy, gs, out_dtype):
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
 def _gmm(x, w, gs, src, extra, out_dtype, backend):
-    return _gmm_backend(backend, x, w, gs, out_dtype, src=src, extra=extra)
+    return _gmm_backend(backend, x, w, gs, out_dtype, src=src, extra=extra[:2])
 
 
 def _gmm_fwd(x, w, gs, src, extra, out_dtype, backend):
     # symbolic zeros: each argument comes as a CustomVJPPrimal (value, perturbed). x is kept only
     # when w trains (frozen expert weights under LoRA need dx alone); x[:0] carries x's dtype.
     # With src, w's value is read by nothing (XLA then drops the slice that made it): the
-    # forward and dx read the stack, and w only receives its gradient. extra (t, b): t is kept
-    # when b trains, b always (for dt, and db's dtype).
+    # forward and dx read the stack, and w only receives its gradient. extra (t, b[, a]): t is
+    # kept when b trains, b always (for dt, and db's dtype), a for dx.
     x_trains, w_trains = x.perturbed, w.perturbed
     b_trains = bool(extra) and extra[1].perturbed
     x, w, gs = x.value, w.value, gs.value
     src, extra = tuple(p.value for p in src), tuple(p.value for p in extra)
-    ex = (extra[0] if b_trains else None, extra[1]) if extra else ()
+    ex = (extra[0] if b_trains else None,) + extra[1:] if extra else ()
     res = (w[:0] if src else w, gs, src, x[:0] if x_trains else None, x if w_trains else None, ex)
     return _gmm(x, w, gs, src, extra, out_dtype, backend), res
 
@@ -271,22 +271,25 @@ def _gmm_bwd(out_dtype, backend, res, g):
     if backend != "reference":
         g = g.astype(x_dt)
     dx = dw = dt = db = None
-    if x_dtype_of is not None:
-        dx = _gmm_backend(backend, g, w, gs, x_dt, transpose_rhs=True, src=src)
-    if x is not None:
-        dw = _tgmm_backend(backend, x, g, gs, w.dtype)
+    dx_extra = ()
     if ex:
-        t, b = ex
+        t, b = ex[:2]
         dt = _extra_dt(backend, g, b, gs, b.dtype)
         if t is not None:
             db = _tgmm_backend(backend, t, g, gs, b.dtype)
+        if len(ex) == 3:  # t = x a with x's gradient stopped: its dx, dt a^T, joins dx's GEMM
+            dx_extra = (dt.astype(x_dt), ex[2])
+    if x_dtype_of is not None:
+        dx = _gmm_backend(backend, g, w, gs, x_dt, transpose_rhs=True, src=src, extra=dx_extra)
+    if x is not None:
+        dw = _tgmm_backend(backend, x, g, gs, w.dtype)
     sources = (x.size + g.size if x is not None else 0, t.size + g.size if db is not None else 0)
     anchor, (dw, db) = _tie(dx if dx is not None else dt, (dw, db), sources)
     if dx is not None:
         dx = anchor
     else:
         dt = anchor
-    return dx, dw, None, nothing, (dt, db) if ex else ()
+    return dx, dw, None, nothing, (dt, db, None)[:len(ex)]
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
@@ -306,9 +309,13 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         layer's weights out of their stack; XLA copies a slice that a kernel reads). w's value
         is then unused and w still receives the gradient; the stack gets none through this
         call. The reference backend reads w.
-      extra: None, or (t [M, R], b [E, R, N]): t[i] @ b[g(i)] is added in the same fp32
-        accumulator (a LoRA adapter's second factor: no [M, N] product written and added in
-        another pass). For the kernels, t and b are in x's dtype and R is a multiple of 64.
+      extra: None, or (t [M, R], b [E, R, N]) or (t, b, a [E, Kd, R]): t[i] @ b[g(i)] is
+        added in the same fp32 accumulator (a LoRA adapter's second factor: no [M, N] product
+        written and added in another pass). With a, where t = x @ a was computed with x's
+        gradient stopped, dx also takes that path's term dt @ a^T inside dx's GEMM (the
+        adapter's whole input gradient without an [M, Kd] product and add); a gets no
+        gradient here (its own GEMM gives da = x^T dt). For the kernels, t, b, a are in x's
+        dtype and R is a multiple of 64.
     Returns:
       [M, N]. Differentiable in x, w, t and b (custom VJP: dx by a grouped GEMM with transposed
       weights, dw by a ragged-contraction grouped GEMM, computed only when w is differentiated;
@@ -321,11 +328,14 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
     """
     extra = tuple(extra) if extra is not None else ()
     if extra:
-        t, b = extra
-        e, _, n = w.shape
-        if t.ndim != 2 or t.shape[0] != x.shape[0] or b.shape != (e, t.shape[1], n):
-            raise ValueError(f"extra: t {list(t.shape)} and b {list(b.shape)} do not fit x "
-                             f"{list(x.shape)} and w {list(w.shape)} (want t [M, R], b [E, R, N])")
+        t, b = extra[:2]
+        e, kd, n = w.shape
+        r = t.shape[-1]
+        a_bad = len(extra) == 3 and extra[2].shape != (e, kd, r)
+        if (len(extra) > 3 or t.ndim != 2 or t.shape[0] != x.shape[0] or b.shape != (e, r, n)
+                or a_bad):
+            raise ValueError(f"extra: {[list(p.shape) for p in extra]} do not fit x {list(x.shape)} "
+                             f"and w {list(w.shape)} (want t [M, R], b [E, R, N], a [E, Kd, R])")
     backend = _resolve(impl, x, w, extra)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
     src = ()

@@ -59,7 +59,7 @@ def padded_rank(x, a, b, impl):
     return rp
 
 
-def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto"):
+def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_elsewhere=False):
     """The shared first factor and the placed second factors of LoRA adapters on grouped GEMMs
     that share their input rows x (the routed experts' gate and up projections).
 
@@ -77,9 +77,12 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto"):
       pairs: sequence of (A [E, Kd, r_i], B [E, r_i, N_i]) (cast to x.dtype).
       group_sizes: [E] int, sum <= M; scale: alpha / r; impl: "auto" | "pallas" | "reference"
         ("pallas" falls back to "auto" for the GEMMs the kernels cannot take).
+      dx_elsewhere: t's GEMM gives no gradient to x (x's gradient stopped there); the caller
+        adds dt A^T to x's gradient (`grouped_matmul(extra=(t, B', A'))`).
     Returns:
-      (t [M, R'] in x.dtype, (B_1' [E, R', N_1], ...) in x.dtype), R' = r where the kernels do
-      not run. Differentiable in x and every A, B.
+      (t [M, R'] in x.dtype, (B_1' [E, R', N_1], ...) in x.dtype, A' [E, Kd, R'] in x.dtype:
+      [A_1 | A_2 | ...] zero-padded like t), R' = r where the kernels do not run.
+      Differentiable in x and every A, B.
     Raises:
       ValueError: unknown impl, or no pairs.
     """
@@ -91,16 +94,16 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto"):
     r = a.shape[-1]
     # any pair the padded kernels cannot take (padded_rank returns r): no padding at all
     rp = min(padded_rank(x, a, b, impl) for b in bs)
-    if rp != r:
-        a = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
-    t = api.grouped_matmul(x, a, group_sizes, impl=_impl_for(impl, x, a))
     rc = r if rp == r else -(-r // CONTRACTION_STEP) * CONTRACTION_STEP
+    a_p = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
+    xt = jax.lax.stop_gradient(x) if dx_elsewhere else x
+    t = api.grouped_matmul(xt, a_p, group_sizes, impl=_impl_for(impl, x, a_p))
     t = jnp.pad(checkpoint_name(t[:, :r], "lora_t"), ((0, 0), (0, rc - r)))
     placed, lo = [], 0
     for ri, b in zip(ranks, bs):
         placed.append(jnp.pad(b, ((0, 0), (lo, rc - lo - ri), (0, 0))))
         lo += ri
-    return t, tuple(placed)
+    return t, tuple(placed), jnp.pad(a, ((0, 0), (0, 0), (0, rc - r)))
 
 
 def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str = "auto",
@@ -110,7 +113,8 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
 
     The adapters share one x_a A GEMM (`lora_factors`); each y_i is one grouped GEMM whose
     accumulator also takes t @ B_i' (`grouped_matmul(extra=...)`), so no [M, N_i] adapter term
-    is written and added in another pass.
+    is written and added in another pass. Without dropout (x_a is x) the backward likewise
+    adds each adapter's dt_i A^T inside dx's GEMM of y_i, not as a GEMM and add of its own.
 
     Args:
       x: [M, Kd] rows grouped by `group_sizes`; ws: (W_i [E, Kd, N_i], ...);
@@ -128,9 +132,11 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
     live = [i for i, p in enumerate(pairs) if p is not None]
     extras = [None] * len(ws)
     if live:
-        xa = x if x_adapter is None else x_adapter
-        t, placed = lora_factors(xa, [pairs[i] for i in live], group_sizes, scale=scale, impl=impl)
+        same = x_adapter is None or x_adapter is x
+        xa = x if same else x_adapter
+        t, placed, a = lora_factors(xa, [pairs[i] for i in live], group_sizes, scale=scale,
+                                    impl=impl, dx_elsewhere=same)
         for i, b in zip(live, placed):
-            extras[i] = (t, b)
+            extras[i] = (t, b, a) if same else (t, b)
     return tuple(api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex)
                  for w, st, ex in zip(ws, in_stacks, extras))

@@ -284,7 +284,8 @@ def test_mosaic_gmm_extra_contraction(kind, config, transpose):
 def test_grouped_matmul_extra_gradients():
     """grouped_matmul(extra=(t, b)) through jax.grad, kernels (interpret mode) and reference:
     output and the gradients of x, t and b (w frozen: no weight-gradient GEMM) equal those of
-    x @ w + t @ b written out, bf16 against the fp32 reference."""
+    x @ w + t @ b written out, bf16 against the fp32 reference; likewise extra=(t, b, a), whose
+    dx GEMM also carries the x @ a path's gradient."""
     m, kd, n, e, r = 200, 128, 256, 4, 64
     x, w, dy = _operands(m, kd, n, e, seed=12)
     k = jax.random.split(jax.random.key(13), 2)
@@ -305,6 +306,26 @@ def test_grouped_matmul_extra_gradients():
         assert rel_err(out, out_r) < tol, impl
         for name, g, g_r in zip("xtb", vjp(dy.astype(out.dtype)), grads_r):
             assert g.shape == g_r.shape and rel_err(g, g_r) < 2 * tol, (impl, name)
+    # extra (t, b, a) with t = x a, x's gradient stopped there: dx = dy w^T + (dy b^T) a^T
+    # from dx's GEMM, the same gradients as x @ w + (x @ a) @ b written out
+    a = (jax.random.normal(jax.random.key(14), (e, kd, r)) / 8).astype(jnp.bfloat16)
+
+    def ref_a(x, a, b):
+        return grouped_matmul_reference(x, f32(w), gs) + grouped_matmul_reference(
+            grouped_matmul_reference(x, a, gs), b, gs)
+    out_r, vjp_r = jax.vjp(ref_a, f32(x), f32(a), f32(b))
+    grads_r = vjp_r(f32(dy))
+    for impl, tol in (("pallas", 1e-2), ("reference", 1e-6)):
+        cast = (lambda p: p) if impl == "pallas" else f32
+
+        def f(x, a, b):
+            a128 = jnp.pad(a, ((0, 0), (0, 0), (0, 128 - r)))  # the kernels' output width
+            t = grouped_matmul(jax.lax.stop_gradient(x), a128, gs, impl=impl)[:, :r]
+            return grouped_matmul(x, cast(w), gs, impl=impl, extra=(t, b, a))
+        out, vjp = jax.vjp(f, cast(x), cast(a), cast(b))
+        assert rel_err(out, out_r) < tol, impl
+        for name, g, g_r in zip("xab", vjp(cast(dy)), grads_r):
+            assert rel_err(g, g_r) < 2 * tol, (impl, name)
     # db (4 x 64 x 256) under half the size of t and dy at 1000 rows: tied to dx by one barrier
     big = [jnp.ones((1000, c), jnp.float32) for c in (kd, r, n)]
     jx = str(jax.make_jaxpr(jax.grad(lambda x, t, b: jnp.vdot(
