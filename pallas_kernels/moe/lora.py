@@ -23,7 +23,7 @@ from pallas_kernels.moe import api
 
 
 KERNEL_WIDTH = 128  # the Mosaic GPU grouped GEMMs' width granule (output and contraction)
-CONTRACTION_STEP = 64  # their contraction step: an extra contraction's width is a multiple
+CONTRACTION_STEP = 64  # their contraction step: `grouped_matmul(extra=...)` takes multiples of it
 
 
 def _impl_for(impl, x, w):
@@ -68,8 +68,8 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_
     columns are named "lora_t" for remat policies and zero-padded to a multiple of the kernels'
     contraction step (64). B_i' is scale * B_i placed in rows r_1 + ... + r_(i-1) onwards of an
     [E, R', N_i] zero block, so t @ B_i' is adapter i's term and needs no slice of t. In the
-    backward the cotangents of t add up, so dx and the dA of all adapters are one grouped GEMM
-    each. The scale multiplies B (fp32, then cast), never an [M, N] tensor: exact for
+    backward the cotangents of t add up, so the dA of all adapters is one grouped GEMM (and
+    their dx, unless `dx_elsewhere`). The scale multiplies B (fp32, then cast), never an [M, N] tensor: exact for
     power-of-two scales (alpha / r = 2 by default), one bf16 rounding of the scaled B otherwise.
 
     Args:

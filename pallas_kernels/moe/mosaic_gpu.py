@@ -21,7 +21,10 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   columns come gate/up interleaved in blocks of half a warpgroup's columns
   (`interleave_gate_up`, 64 by default), so each warpgroup's accumulator holds matching gate
   and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
-  the backward, optionally the pre-activation h [M, N].
+  the backward, optionally the pre-activation h [M, N]. extra=(t, b): t[i] @ b[g] (a LoRA
+  adapter's second factor, R a multiple of 64) is one more wgmma into the same accumulator after
+  the main loop; each compute warpgroup loads its t rows and b columns by TMA at the start of
+  the work item, into its own slots, so the load overlaps the main loop.
 * `tgmm`: dw[E, Kx, N] = per group x[rows]^T @ dy[rows] (the ragged dimension is the
   contraction). Work items are (group, Kx tile, N tile); the pipeline walks the group's
   rows in tk-row steps from the 8-aligned row at or below the group's first row (TMA into
@@ -228,7 +231,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
       [M, N] ([M, N/2] for swiglu; (act, h) when return_h); rows past sum(group_sizes) are 0.
     Raises:
       ValueError: dtype not bf16/f16, Kc not a multiple of tile_k, N not a multiple of 128
-        (256 for swiglu), M < tile_m, or a bad config/epilogue.
+        (256 for swiglu), M < tile_m, a bad config/epilogue, an extra whose shapes do not fit,
+        or tiles too large for shared memory.
     """
     config = config or (TRANSPOSED_CONFIG if transpose_rhs else DEFAULT_CONFIG)
     check_dtypes(x, w)
