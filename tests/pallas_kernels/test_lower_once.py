@@ -77,3 +77,24 @@ def test_identical_grouped_gemms_compile_once(monkeypatch):
     hashes = _kernel_hashes(lambda x, w, gs: raw(raw(x, w, gs), w, gs), x, w, gs,
                             monkeypatch=monkeypatch)
     assert len(hashes) == 2 and len(set(hashes)) == 2
+
+
+def test_extra_contraction_lowers_for_hopper_at_v2_lite_widths(monkeypatch):
+    """The grouped GEMMs of V2-Lite's routed-expert LoRA with the adapter's extra contraction
+    (R = 64), lowered for CUDA: Mosaic GPU's layout inference and shared-memory plan run on
+    this CPU, so a tile shape the compiled kernel cannot take fails here, not on the GPU."""
+    bf, m, e, d, f, r = jnp.bfloat16, 1024, 64, 2048, 1408, 64
+    S = jax.ShapeDtypeStruct
+    gs = S((e,), jnp.int32)
+    cases = [  # (x, w, t, b, transpose_rhs): gate/up forward, down forward, their dx
+        ((m, d), (e, d, f), (m, r), (e, r, f), False),
+        ((m, f), (e, f, d), (m, r), (e, r, d), False),
+        ((m, f), (e, d, f), (m, r), (e, d, r), True),
+        ((m, d), (e, f, d), (m, r), (e, f, r), True),
+    ]
+    for xs, ws, ts, bs, tr in cases:
+        def f_(x, w, gs, t, b, tr=tr):
+            return mosaic_gpu.gmm(x, w, gs, transpose_rhs=tr, extra=(t, b))
+        hashes = _kernel_hashes(f_, S(xs, bf), S(ws, bf), gs, S(ts, bf), S(bs, bf),
+                                monkeypatch=monkeypatch)
+        assert len(hashes) == 1, (xs, ws, tr)
