@@ -313,27 +313,27 @@ def test_unrolled_moe_layers_read_expert_weights_in_their_stack(monkeypatch, wei
     every routed grouped GEMM of layer i gets in_stack=(stack, i) with stack[i] equal to its w,
     for the three projections of every MoE layer, and the same logits as without; not under a
     scan, nor when the weights are not in the compute dtype (fp32 master weights)."""
-    from dsjax.model import lora as lora_mod
-    calls, real = [], lora_mod.grouped_matmul
+    from pallas_kernels.moe import api as moe_api
+    calls, real = [], moe_api.grouped_matmul
 
-    def spy(x, w, gs, *, impl, in_stack=None):
+    def spy(x, w, gs, *, impl, in_stack=None, extra=None):
         if in_stack is not None:
             stack, i = in_stack
             np.testing.assert_array_equal(np.asarray(stack[i], np.float32), np.asarray(w, np.float32))
         calls.append(None if in_stack is None else (in_stack[0].shape, in_stack[1]))
-        return real(x, w, gs, impl=impl, in_stack=in_stack)
+        return real(x, w, gs, impl=impl, in_stack=in_stack, extra=extra)
 
     cfg = small_cfg(dtype="bfloat16", weight_dtype=weight_dtype, scan_layers=scan)
     m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(1), (2, 10), 0, cfg.vocab_size)
     n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
     if not in_place:  # traced (a scan body is traced once)
-        monkeypatch.setattr(lora_mod, "grouped_matmul", spy)
+        monkeypatch.setattr(moe_api, "grouped_matmul", spy)
         jax.eval_shape(lambda t: m(t), toks)
         assert calls == [None] * 3 * (1 if scan else n_moe)
         return
     base, _ = m(toks)
-    monkeypatch.setattr(lora_mod, "grouped_matmul", spy)
+    monkeypatch.setattr(moe_api, "grouped_matmul", spy)
     logits, _ = m(toks)  # eager: the spy compares values
     assert [c[1] for c in calls] == [i for i in range(n_moe) for _ in range(3)]
     np.testing.assert_array_equal(np.asarray(logits), np.asarray(base))
