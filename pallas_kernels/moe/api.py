@@ -18,6 +18,9 @@ token (XLA). unpermute is an XLA gather + weighted fp32 row sum in every backend
 are inverse gathers (no scatter-add). The model scales rows by their routing weight before the
 down projection (`swiglu(g, u, w)`) and combines with the unweighted `unpermute_sum`.
 
+grouped_matmul(extra=(t, b[, a])): x @ w[g] + t @ b[g] in one kernel (a LoRA adapter's second
+factor as one more contraction), and with a, dx = dy @ w^T + (dy @ b^T) @ a^T in one kernel.
+
 gate_up_swiglu: the expert gate/up projection with SwiGLU fused into the Mosaic GPU kernel's
 epilogue (weights gate/up interleaved in 64-column blocks); its backward is an XLA SwiGLU
 derivative + the dx / dw grouped GEMMs.
