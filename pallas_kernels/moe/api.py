@@ -78,23 +78,25 @@ def _hopper():
     return _compile_only.active() or on_hopper()
 
 
-def _extra_fits(x, extra):
-    """None if the Mosaic GPU kernels take gmm's extra contraction (t, b), else the reason."""
+def _extra_fits(x, w, extra, out_dtype=None):
+    """None if the Mosaic GPU kernels take grouped_matmul's extra contraction (t, b[, a]) beside
+    x @ w (and, with a, in dx's GEMM: output width Kd, transposed), else the reason."""
     if not extra:
         return None
-    t = extra[0]
     if any(p.dtype != x.dtype for p in extra):
         return f"extra: {[str(p.dtype) for p in extra]} must be x's dtype {x.dtype}"
-    if t.shape[1] % mosaic_gpu.TileConfig().tile_k:
-        return f"extra: width {t.shape[1]} must be a multiple of {mosaic_gpu.TileConfig().tile_k}"
-    return None
+    r = extra[0].shape[1]
+    reason = mosaic_gpu.extra_fits(w.shape[2], r, x.dtype, out_dtype=out_dtype)
+    if reason is None and len(extra) == 3:
+        reason = mosaic_gpu.extra_fits(w.shape[1], r, x.dtype, transpose_rhs=True)
+    return None if reason is None else f"extra: {reason}"
 
 
-def _resolve(impl, x, w, extra=()):
+def _resolve(impl, x, w, extra=(), out_dtype=None):
     _check(impl)
     if impl == "reference":
         return "reference"
-    reason = _pallas_fits(x, w) or _extra_fits(x, extra)
+    reason = _pallas_fits(x, w) or _extra_fits(x, w, extra, out_dtype)
     if impl == "pallas":
         if reason:
             raise ValueError(f"impl='pallas': {reason}")
@@ -232,16 +234,22 @@ def _gmm(x, w, gs, src, extra, out_dtype, backend):
 
 def _gmm_fwd(x, w, gs, src, extra, out_dtype, backend):
     # symbolic zeros: each argument comes as a CustomVJPPrimal (value, perturbed). x is kept only
-    # when w trains (frozen expert weights under LoRA need dx alone); x[:0] carries x's dtype.
+    # when w trains (frozen expert weights under LoRA need dx alone); x[:0] carries x's dtype,
+    # and a second x[:0] (None when x does not train) says whether dx is wanted.
     # With src, w's value is read by nothing (XLA then drops the slice that made it): the
-    # forward and dx read the stack, and w only receives its gradient. extra (t, b[, a]): t is
-    # kept when b trains, b always (for dt, and db's dtype), a for dx.
+    # forward and dx read the stack, and w only receives its gradient. extra (t, b[, a]):
+    # res holds t when b trains, t[:0] when t trains (its dtype; None: no dt wanted), b always
+    # (for dt, and db's dtype), and a (for dx).
     x_trains, w_trains = x.perturbed, w.perturbed
-    b_trains = bool(extra) and extra[1].perturbed
+    t_trains, b_trains = (extra[0].perturbed, extra[1].perturbed) if extra else (False, False)
     x, w, gs = x.value, w.value, gs.value
     src, extra = tuple(p.value for p in src), tuple(p.value for p in extra)
-    ex = (extra[0] if b_trains else None,) + extra[1:] if extra else ()
-    res = (w[:0] if src else w, gs, src, x[:0] if x_trains else None, x if w_trains else None, ex)
+    ex = ()
+    if extra:
+        t = extra[0]
+        ex = (t if b_trains else None, t[:0] if t_trains else None) + extra[1:]
+    res = (w[:0] if src else w, gs, src, x[:0], x[:0] if x_trains else None,
+           x if w_trains else None, ex)
     return _gmm(x, w, gs, src, extra, out_dtype, backend), res
 
 
@@ -265,24 +273,30 @@ def _tie(anchor, grads, sources):
 
 
 def _gmm_bwd(out_dtype, backend, res, g):
-    w, gs, src, x_dtype_of, x, ex = res
+    w, gs, src, x_meta, dx_wanted, x, ex = res
     nothing = (None,) * len(src)
-    ex_nothing = (None,) * len(ex)
+    n_extra = len(ex) - 1 if ex else 0  # ex holds t's dtype carrier besides the inputs
+    ex_nothing = (None,) * n_extra
     if isinstance(g, jax.custom_derivatives.SymbolicZero):  # the output is unused
         return None, None, None, nothing, ex_nothing
-    x_dt = (x if x is not None else x_dtype_of).dtype
+    x_dt = x_meta.dtype
     if backend != "reference":
         g = g.astype(x_dt)
     dx = dw = dt = db = None
     dx_extra = ()
     if ex:
-        t, b = ex[:2]
-        dt = _extra_dt(backend, g, b, gs, b.dtype)
+        t, t_meta, b = ex[:3]
+        a = ex[3] if len(ex) == 4 else None
+        via_dx = a is not None and dx_wanted is not None  # t = x a, x's gradient stopped there
+        if t_meta is not None or via_dx:
+            dt = _extra_dt(backend, g, b, gs, (b if t_meta is None else t_meta).dtype)
         if t is not None:
             db = _tgmm_backend(backend, t, g, gs, b.dtype)
-        if len(ex) == 3:  # t = x a with x's gradient stopped: its dx, dt a^T, joins dx's GEMM
-            dx_extra = (dt.astype(x_dt), ex[2])
-    if x_dtype_of is not None:
+        if via_dx:  # that GEMM's dx, dt a^T, joins dx's GEMM
+            dx_extra = (dt.astype(x_dt), a)
+        if t_meta is None:
+            dt = None
+    if dx_wanted is not None:
         dx = _gmm_backend(backend, g, w, gs, x_dt, transpose_rhs=True, src=src, extra=dx_extra)
     if x is not None:
         dw = _tgmm_backend(backend, x, g, gs, w.dtype)
@@ -292,10 +306,25 @@ def _gmm_bwd(out_dtype, backend, res, g):
         dx = anchor
     else:
         dt = anchor
-    return dx, dw, None, nothing, (dt, db, None)[:len(ex)]
+    return dx, dw, None, nothing, (dt, db, None)[:n_extra]
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
+
+
+def extra_fits(x, w, r, *, impl="auto"):
+    """True when `grouped_matmul(x, w, ..., extra=(t, b, a))` with t [M, r] runs on the backend
+    that x @ w alone would take (the kernels, or the reference), in the forward and in dx's
+    GEMM; False when the kernels would take x @ w but not the extra (r too wide for their
+    shared memory, or not a multiple of 64)."""
+    _check(impl)
+    kernels = impl == "pallas" or (impl == "auto" and _hopper())
+    if impl == "reference" or not kernels or _pallas_fits(x, w) is not None:
+        return True
+    r_sds = jax.ShapeDtypeStruct((x.shape[0], r), x.dtype)
+    a_sds = jax.ShapeDtypeStruct((w.shape[0], w.shape[1], r), x.dtype)
+    b_sds = jax.ShapeDtypeStruct((w.shape[0], r, w.shape[2]), x.dtype)
+    return _extra_fits(x, w, (r_sds, b_sds, a_sds)) is None
 
 
 def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None, in_stack=None,
@@ -318,7 +347,8 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         gradient stopped, dx also takes that path's term dt @ a^T inside dx's GEMM (the
         adapter's whole input gradient without an [M, Kd] product and add); a gets no
         gradient here (its own GEMM gives da = x^T dt). For the kernels, t, b, a are in x's
-        dtype and R is a multiple of 64.
+        dtype and R is a multiple of 64 small enough for shared memory (`extra_fits`; 128 at
+        V2-Lite's widths); otherwise "auto" runs the reference.
     Returns:
       [M, N]. Differentiable in x, w, t and b (custom VJP: dx by a grouped GEMM with transposed
       weights, dw by a ragged-contraction grouped GEMM, computed only when w is differentiated;
@@ -339,8 +369,8 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
                 or a_bad):
             raise ValueError(f"extra: {[list(p.shape) for p in extra]} do not fit x {list(x.shape)} "
                              f"and w {list(w.shape)} (want t [M, R], b [E, R, N], a [E, Kd, R])")
-    backend = _resolve(impl, x, w, extra)
     out_dtype = jnp.dtype(preferred_element_type or x.dtype)
+    backend = _resolve(impl, x, w, extra, out_dtype)
     src = ()
     if in_stack is not None:
         stack, i = in_stack

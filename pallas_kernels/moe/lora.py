@@ -59,6 +59,17 @@ def padded_rank(x, a, b, impl):
     return rp
 
 
+def _widths(x, pairs, impl):
+    """(r, rp, rc) of adapters sharing x: r the sum of their ranks, rp the width of the x A GEMM
+    (r rounded up to KERNEL_WIDTH where the kernels take every padded GEMM, else r: any pair
+    they cannot take means no padding at all), rc that of t for the B GEMMs (r rounded up to
+    CONTRACTION_STEP where padded)."""
+    r = sum(a.shape[-1] for a, _ in pairs)
+    a_cat = jax.ShapeDtypeStruct(pairs[0][0].shape[:-1] + (r,), x.dtype)
+    rp = min(padded_rank(x, a_cat, b, impl) for _, b in pairs)
+    return r, rp, (r if rp == r else -(-r // CONTRACTION_STEP) * CONTRACTION_STEP)
+
+
 def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_elsewhere=False):
     """The shared first factor and the placed second factors of LoRA adapters on grouped GEMMs
     that share their input rows x (the routed experts' gate and up projections).
@@ -91,10 +102,7 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_
     ranks = [a.shape[-1] for a, _ in pairs]
     a = jnp.concatenate([a.astype(x.dtype) for a, _ in pairs], axis=-1)
     bs = [(b.astype(jnp.float32) * scale).astype(x.dtype) for _, b in pairs]
-    r = a.shape[-1]
-    # any pair the padded kernels cannot take (padded_rank returns r): no padding at all
-    rp = min(padded_rank(x, a, b, impl) for b in bs)
-    rc = r if rp == r else -(-r // CONTRACTION_STEP) * CONTRACTION_STEP
+    r, rp, rc = _widths(x, pairs, impl)
     a_p = jnp.pad(a, ((0, 0), (0, 0), (0, rp - r)))
     xt = jax.lax.stop_gradient(x) if dx_elsewhere else x
     t = api.grouped_matmul(xt, a_p, group_sizes, impl=_impl_for(impl, x, a_p))
@@ -131,12 +139,22 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
     in_stacks = in_stacks or (None,) * len(ws)
     live = [i for i, p in enumerate(pairs) if p is not None]
     extras = [None] * len(ws)
-    if live:
-        same = x_adapter is None or x_adapter is x
-        xa = x if same else x_adapter
-        t, placed, a = lora_factors(xa, [pairs[i] for i in live], group_sizes, scale=scale,
-                                    impl=impl, dx_elsewhere=same)
+    if not live:
+        return tuple(api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st)
+                     for w, st in zip(ws, in_stacks))
+    xa = x if x_adapter is None else x_adapter
+    live_pairs = [pairs[i] for i in live]
+    # the extra contraction's width, as lora_factors pads it; wide ones (rank > 64 on gate and
+    # up together) do not fit the kernels' shared memory: t B then runs as its own GEMM
+    fused = all(api.extra_fits(x, ws[i], _widths(xa, live_pairs, impl)[2], impl=impl) for i in live)
+    same = fused and xa is x
+    t, placed, a = lora_factors(xa, live_pairs, group_sizes, scale=scale, impl=impl,
+                                dx_elsewhere=same)
+    for i, b in zip(live, placed):
+        extras[i] = ((t, b, a) if same else (t, b)) if fused else None
+    ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex)
+          for w, st, ex in zip(ws, in_stacks, extras)]
+    if not fused:
         for i, b in zip(live, placed):
-            extras[i] = (t, b, a) if same else (t, b)
-    return tuple(api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex)
-                 for w, st, ex in zip(ws, in_stacks, extras))
+            ys[i] = ys[i] + api.grouped_matmul(t, b, group_sizes, impl=_impl_for(impl, t, b))
+    return tuple(ys)

@@ -200,6 +200,47 @@ def deinterleave_gate_up(h, block=None):
     return hb[..., 0, :].reshape(*h.shape[:-1], i), hb[..., 1, :].reshape(*h.shape[:-1], i)
 
 
+def _column_tiles(n, out_dtype, config, swiglu=False, extra_r=0):
+    """(tn, wm, wn) of `gmm`: per-warpgroup column tile, and the rows and columns each compute
+    warpgroup owns; the output staging (two warpgroups) stays within 64 KiB."""
+    split_m = config.wg_split == "m"
+    tn = 128 if swiglu else min(config.tile_n, pick_tile_n(n))
+    if extra_r:
+        tn = min(tn, 64)
+    wm = config.tile_m // 2 if split_m else config.tile_m
+
+    def wg_cols(tn):
+        return 2 * tn if split_m else tn
+    while 2 * wm * wg_cols(tn) * out_dtype.itemsize > 64 * 1024:
+        if swiglu:
+            raise ValueError(f"epilogue='swiglu' needs a 2-byte out_dtype, got {out_dtype}")
+        tn //= 2
+    return tn, wm, wg_cols(tn)
+
+
+def _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, extra_r=0):
+    """Pipeline stages of `gmm` in shared memory beside its output staging and extra tiles."""
+    fixed = 2 * wm * wn * out_dtype.itemsize + 2 * (wm * extra_r + extra_r * wn) * itemsize
+    step = (config.tile_m * config.tile_k + config.tile_k * 2 * tn) * itemsize
+    return _stages(step, fixed, config.max_concurrent_steps)
+
+
+def extra_fits(n, r, dtype, *, out_dtype=None, transpose_rhs=False, config=None):
+    """None if `gmm(..., extra=(t [M, r], b))` fits at output width n (its tiles and shared
+    memory), else the reason. config: as `gmm`'s default for transpose_rhs."""
+    config = config or (TRANSPOSED_CONFIG if transpose_rhs else DEFAULT_CONFIG)
+    dtype = jnp.dtype(dtype)
+    out_dtype = jnp.dtype(out_dtype or dtype)
+    try:
+        if r % config.tile_k:
+            raise ValueError(f"extra width {r} must be a multiple of tile_k={config.tile_k}")
+        tn, wm, wn = _column_tiles(n, out_dtype, config, extra_r=r)
+        _gmm_stages(tn, wm, wn, dtype.itemsize, out_dtype, config, r)
+    except ValueError as err:
+        return str(err)
+    return None
+
+
 @lower_once
 def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, epilogue=None,
         return_h=False, group_offset=None, extra=None):
@@ -256,7 +297,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     out_dtype = jnp.dtype(out_dtype or x.dtype)
     tm, tk = config.tile_m, config.tile_k
     split_m = config.wg_split == "m"
-    tn = 128 if swiglu else min(config.tile_n, pick_tile_n(n))
+    r = 0
     if extra is not None:
         t_x, b_x = extra
         check_dtypes(x, t_x, b_x)
@@ -265,16 +306,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         if swiglu or t_x.shape != (m, r) or r % tk or tuple(b_x.shape) != b_want:
             raise ValueError(f"extra: t {t_x.shape} and b {b_x.shape} do not fit x {x.shape} "
                              f"(want t [{m}, R], R % {tk} == 0, b {list(b_want)}; no swiglu)")
-        tn = min(tn, 64)
-    wm = tm // 2 if split_m else tm  # rows per compute warpgroup
-
-    def wg_cols(tn):
-        return 2 * tn if split_m else tn
-    while 2 * wm * wg_cols(tn) * out_dtype.itemsize > 64 * 1024:  # output staging <= 64 KiB
-        if swiglu:
-            raise ValueError(f"epilogue='swiglu' needs a 2-byte out_dtype, got {out_dtype}")
-        tn //= 2
-    wn = wg_cols(tn)
+    tn, wm, wn = _column_tiles(n, out_dtype, config, swiglu, r)
     if kc % tk:
         raise ValueError(f"contraction width {kc} must be a multiple of tile_k={tk}")
     if m < tm:
@@ -298,13 +330,11 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
     b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype)
-    out_bytes = 2 * wm * wn * out_dtype.itemsize
     if extra is not None:  # per compute warpgroup: its t rows [wm, R] and b columns
         bx_block = (wn, r) if transpose_rhs else (r, wn)
         t_tr = _transforms(r, x.dtype)
         bx_tr = _transforms(r if transpose_rhs else wn, x.dtype)
-        out_bytes += 2 * (wm * r + r * wn) * itemsize
-    stages = _stages((tm * tk + tk * cta_n) * itemsize, out_bytes, config.max_concurrent_steps)
+    stages = _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, r)
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
     half = wn // 2  # swiglu: gate and up columns per warpgroup

@@ -306,6 +306,11 @@ def test_grouped_matmul_extra_gradients():
         assert rel_err(out, out_r) < tol, impl
         for name, g, g_r in zip("xtb", vjp(dy.astype(out.dtype)), grads_r):
             assert g.shape == g_r.shape and rel_err(g, g_r) < 2 * tol, (impl, name)
+    # only t and b differentiated (x and w constant: a LoRA run's first adapted layer)
+    gt, gb = jax.grad(lambda t, b: jnp.vdot(grouped_matmul(f32(x), f32(w), gs, impl="reference",
+                                                           extra=(t, b)), f32(dy)),
+                      argnums=(0, 1))(f32(t), f32(b))
+    assert rel_err(gt, grads_r[1]) < 1e-6 and rel_err(gb, grads_r[2]) < 1e-6
     # extra (t, b, a) with t = x a, x's gradient stopped there: dx = dy w^T + (dy b^T) a^T
     # from dx's GEMM, the same gradients as x @ w + (x @ a) @ b written out
     a = (jax.random.normal(jax.random.key(14), (e, kd, r)) / 8).astype(jnp.bfloat16)
