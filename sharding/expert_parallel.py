@@ -33,7 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from pallas_kernels.moe import (grouped_lora_matmuls, grouped_matmul, lora_dropout,
+from pallas_kernels.moe import (grouped_lora_matmuls, lora_dropout,
                                 permute, sorted_weights, swiglu, unpermute_sum)
 
 EXPERT = "expert"
@@ -82,24 +82,19 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
     w = jnp.where(mine, weights, 0.0)
     xs, group_sizes, perm = permute(x.astype(dtype), local, num_experts=El + 1, impl=impl)
     gs = group_sizes[:El]
-    ws = (w_gate.astype(dtype), w_up.astype(dtype))
-    if lora is None:
-        g, u = (grouped_matmul(xs, w_, gs, impl=impl) for w_ in ws)
-    else:  # one x A GEMM for the gate and up adapters; t B inside each base GEMM
-        (pg, pu, pd), s = lora["pairs"], lora["scale"]
-        key = lora["key"]
+    pairs, s, rate, keys = (None, None, None), 1.0, 0.0, (None, None, None)
+    if lora is not None:
+        pairs, s, rate, key = lora["pairs"], lora["scale"], lora["rate"], lora["key"]
         if key is not None:  # a different mask on every expert rank
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
-        keys = [None if key is None else jax.random.fold_in(key, i) for i in range(3)]
-        g, u = grouped_lora_matmuls(xs, ws, (pg, pu), gs, scale=s, impl=impl,
-                                    x_adapter=lora_dropout(xs, lora["rate"], keys[0]))
+            keys = [jax.random.fold_in(key, i) for i in range(3)]
+    # one x A GEMM for the gate and up adapters; t B inside each base GEMM
+    g, u = grouped_lora_matmuls(xs, (w_gate.astype(dtype), w_up.astype(dtype)), pairs[:2], gs,
+                                scale=s, impl=impl, x_adapter=lora_dropout(xs, rate, keys[0]))
     w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
     h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
-    if lora is None or pd is None:
-        y = grouped_matmul(h, w_down.astype(dtype), gs, impl=impl)
-    else:
-        y, = grouped_lora_matmuls(h, (w_down.astype(dtype),), (pd,), gs, scale=s, impl=impl,
-                                  x_adapter=lora_dropout(h, lora["rate"], keys[2]))
+    y, = grouped_lora_matmuls(h, (w_down.astype(dtype),), pairs[2:], gs, scale=s, impl=impl,
+                              x_adapter=lora_dropout(h, rate, keys[2]))
     return unpermute_sum(y, perm, ids.shape[1], impl=impl).astype(jnp.float32)
 
 

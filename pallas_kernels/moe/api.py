@@ -321,10 +321,8 @@ def extra_fits(x, w, r, *, impl="auto"):
     kernels = impl == "pallas" or (impl == "auto" and _hopper())
     if impl == "reference" or not kernels or _pallas_fits(x, w) is not None:
         return True
-    r_sds = jax.ShapeDtypeStruct((x.shape[0], r), x.dtype)
-    a_sds = jax.ShapeDtypeStruct((w.shape[0], w.shape[1], r), x.dtype)
-    b_sds = jax.ShapeDtypeStruct((w.shape[0], r, w.shape[2]), x.dtype)
-    return _extra_fits(x, w, (r_sds, b_sds, a_sds)) is None
+    return (mosaic_gpu.extra_fits(w.shape[2], r, x.dtype) is None
+            and mosaic_gpu.extra_fits(w.shape[1], r, x.dtype, transpose_rhs=True) is None)
 
 
 def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None, in_stack=None,

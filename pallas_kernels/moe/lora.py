@@ -80,8 +80,9 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_
     contraction step (64). B_i' is scale * B_i placed in rows r_1 + ... + r_(i-1) onwards of an
     [E, R', N_i] zero block, so t @ B_i' is adapter i's term and needs no slice of t. In the
     backward the cotangents of t add up, so the dA of all adapters is one grouped GEMM (and
-    their dx, unless `dx_elsewhere`). The scale multiplies B (fp32, then cast), never an [M, N] tensor: exact for
-    power-of-two scales (alpha / r = 2 by default), one bf16 rounding of the scaled B otherwise.
+    their dx, unless `dx_elsewhere`). The scale multiplies B (fp32, then cast), never an
+    [M, N] tensor: exact for power-of-two scales (alpha / r = 2 by default), one bf16 rounding
+    of the scaled B otherwise.
 
     Args:
       x: [M, Kd] rows grouped consecutively by `group_sizes` (bf16/f16/fp32).
@@ -139,22 +140,23 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
     in_stacks = in_stacks or (None,) * len(ws)
     live = [i for i, p in enumerate(pairs) if p is not None]
     extras = [None] * len(ws)
-    if not live:
-        return tuple(api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st)
-                     for w, st in zip(ws, in_stacks))
-    xa = x if x_adapter is None else x_adapter
-    live_pairs = [pairs[i] for i in live]
-    # the extra contraction's width, as lora_factors pads it; wide ones (rank > 64 on gate and
-    # up together) do not fit the kernels' shared memory: t B then runs as its own GEMM
-    fused = all(api.extra_fits(x, ws[i], _widths(xa, live_pairs, impl)[2], impl=impl) for i in live)
-    same = fused and xa is x
-    t, placed, a = lora_factors(xa, live_pairs, group_sizes, scale=scale, impl=impl,
-                                dx_elsewhere=same)
-    for i, b in zip(live, placed):
-        extras[i] = ((t, b, a) if same else (t, b)) if fused else None
-    ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex)
+    fused = True
+    if live:
+        xa = x if x_adapter is None else x_adapter
+        live_pairs = [pairs[i] for i in live]
+        # t's width as lora_factors pads it; a wide one (rank > 64 on gate and up together) does
+        # not fit the kernels' shared memory: t B then runs as its own GEMM
+        rc = _widths(xa, live_pairs, impl)[2]
+        fused = all(api.extra_fits(x, ws[i], rc, impl=impl) for i in live)
+        same = fused and xa is x
+        t, placed, a = lora_factors(xa, live_pairs, group_sizes, scale=scale, impl=impl,
+                                    dx_elsewhere=same)
+        for i, b in zip(live, placed):
+            extras[i] = (t, b, a) if same else (t, b)
+    ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None)
           for w, st, ex in zip(ws, in_stacks, extras)]
     if not fused:
-        for i, b in zip(live, placed):
+        for i in live:
+            t, b = extras[i]
             ys[i] = ys[i] + api.grouped_matmul(t, b, group_sizes, impl=_impl_for(impl, t, b))
     return tuple(ys)
