@@ -526,6 +526,33 @@ def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
     np.testing.assert_array_equal(np.asarray(outs[4], np.float32), np.asarray(outs[0], np.float32))
 
 
+def test_unpermute_sum_gradient_through_the_row_kernel(monkeypatch):
+    """unpermute_sum's gradient with impl="pallas" is permute's row kernel (interpret mode) and
+    equals the XLA row gather dout[perm // K] bit for bit; a row the kernel cannot take (12
+    bytes) falls back to the gather instead of raising."""
+    from pallas_kernels.moe import dispatch
+    calls = []
+    kernel = dispatch.scatter_rows
+    monkeypatch.setattr(dispatch, "scatter_rows", lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    t, k, e = 21, 6, 16
+    ids = routing("zipf", t, k, e, seed=5)
+    perm = permute(jnp.zeros((t, 8)), ids, num_experts=e, impl="reference")[2]
+    for d in (128, 6):
+        y = jax.random.normal(jax.random.key(6), (t * k, d)).astype(jnp.bfloat16)
+        g = jax.random.normal(jax.random.key(7), (t, d)).astype(jnp.bfloat16)
+
+        def run(impl):
+            out, vjp = jax.vjp(lambda y: unpermute_sum(y, perm, k, impl=impl), y)
+            return out, vjp(g)[0]
+
+        got, want = run("pallas"), run("reference")
+        for a, b in zip(got, want):
+            assert a.dtype == b.dtype
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(g)[np.asarray(perm) // k])
+        assert len(calls) == 1, d  # the kernel ran for d = 128; the 12-byte rows never reach it
+
+
 def test_permute_pallas_bit_identical_to_reference_with_grad():
     t, k, e, d = 21, 6, 16, 128
     x = jax.random.normal(jax.random.key(2), (t, d)).astype(jnp.bfloat16)
