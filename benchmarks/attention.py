@@ -43,6 +43,7 @@ from _trace import device_events, kernel_summary, summary_markdown  # noqa: E402
 
 SHAPES = {  # name: (B, T, N, Dqk, Dv, causal); K = N, S = T
     "mla": (4, 4096, 16, 192, 128, True),
+    "mla-2k": (4, 2048, 16, 192, 128, True),   # the V2-Lite training step's B4 x T2048
     "mla-long": (1, 16384, 16, 192, 128, True),
     "mha128": (4, 4096, 16, 128, 128, True),
 }
@@ -61,6 +62,13 @@ def inputs(seed, B, T, N, K, Dqk, Dv):
 
 def ours(q, k, v, causal, return_lse=False):
     return flash_attention(q, k, v, causal=causal, impl="pallas", return_lse=return_lse)
+
+
+def ours_seg(q, k, v, causal):
+    """Ours with segment ids, one segment per row, as the training step passes them (packed
+    rows carry document ids; this is a row that holds one document)."""
+    seg = jnp.ones(q.shape[:2], jnp.int32)
+    return flash_attention(q, k, v, causal=causal, impl="pallas", segment_ids=seg)
 
 
 def cudnn(q, k, v, causal):
@@ -90,13 +98,14 @@ def xla(q, k, v, causal):
     return jnp.einsum("bnts,bsnd->btnd", p, v)
 
 
-IMPLS = {"ours": ours, "cudnn": cudnn, "tokamax": tokamax_mosaic, "xla": xla}
+IMPLS = {"ours": ours, "ours_seg": ours_seg, "cudnn": cudnn, "tokamax": tokamax_mosaic,
+         "xla": xla}
 
 
 def default_impls():
     """Every impl this machine can run: cuDNN and tokamax need a GPU, tokamax its package."""
     on_gpu = jax.devices()[0].platform == "gpu"
-    return [n for n in IMPLS if n in ("ours", "xla") or (
+    return [n for n in IMPLS if n in ("ours", "ours_seg", "xla") or (
         on_gpu and (n != "tokamax" or importlib.util.find_spec("tokamax") is not None))]
 
 

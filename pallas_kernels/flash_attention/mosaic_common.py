@@ -151,7 +151,9 @@ def _tile_ranges_jnp(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q,
 
     Returns wg_bounds [B, n_row_tiles, 4] int32 = (lo, mlo, mhi, hi) and cta_bounds
     [B, n_row_tiles // 2, 2] int32 = (L, H), with L <= lo <= mlo <= mhi <= hi <= H. Columns in
-    [lo, mlo) and [mhi, hi) need the element mask; [mlo, mhi) need none.
+    [lo, mlo) and [mhi, hi) need the element mask; [mlo, mhi) need none: no padded key, fully
+    below the causal diagonal and, with segments, one segment id over the block's queries and
+    keys (a block that straddles a document boundary is masked).
     """
     nr, nc = n_rows_p // row_block, n_cols_p // col_block
     r = jnp.arange(nr)[:, None]
@@ -181,7 +183,15 @@ def _tile_ranges_jnp(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q,
         else:
             meet = (kmin[:, :, None] <= qmax[:, None, :]) & (qmin[:, None, :] <= kmax[:, :, None])
         nonempty = nonempty & meet
-        full = jnp.zeros_like(full)
+        # A block needs no segment mask when its queries and its keys all carry one and the
+        # same id (documents longer than a block, or one segment per row): only those skip it.
+        if rows_are_q:
+            one = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
+                   & (qmin[:, :, None] == kmin[:, None, :]))
+        else:
+            one = ((kmin == kmax)[:, :, None] & (qmin == qmax)[:, None, :]
+                   & (kmin[:, :, None] == qmin[:, None, :]))
+        full = full & one
     full = full & nonempty
     idx = jnp.arange(nc)
     any_ne = nonempty.any(-1)

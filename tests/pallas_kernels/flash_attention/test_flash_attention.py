@@ -15,7 +15,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._hopper import interpret_params
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention.api import flash_attention_mosaic
-from pallas_kernels.flash_attention.mosaic_common import Config, default_config
+from pallas_kernels.flash_attention.mosaic_common import Config, default_config, tile_ranges
 from pallas_kernels.flash_attention.reference import attention_naive, attention_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -171,6 +171,74 @@ def test_backward_configs(variant):
                                                   kv_offset=40)[0]), (0, 1, 2))(*f32)
     for gname, a, b in zip(("dq", "dk", "dv"), g, ng):
         assert _rel(a, b) < 1e-2, gname
+
+
+def _ranges(seg, T, rows_are_q, row_block, col_block):
+    kw = dict(B=seg.shape[0] if seg is not None else 2, n_rows_p=T, row_block=row_block,
+              n_cols_p=T, col_block=col_block, rows_are_q=rows_are_q, T=T, S=T, causal=True,
+              delta=0, q_seg=seg, kv_seg=seg)
+    return [np.asarray(a) for a in tile_ranges(**kw)]
+
+
+@pytest.mark.parametrize("rows_are_q,row_block,col_block", [(True, 64, 128), (False, 64, 64)])
+def test_segment_ranges_skip_masks_within_one_document(rows_are_q, row_block, col_block):
+    """With segment ids, a (row, column) block needs no element mask exactly when all its
+    queries and keys carry one id: one segment per row gives the tables of no segments at all,
+    and packed documents mark mask-free only blocks inside one document (and below the
+    diagonal), never one that straddles a boundary."""
+    T = 512
+    ones = jnp.ones((2, T), jnp.int32)
+    for a, b in zip(_ranges(ones, T, rows_are_q, row_block, col_block),
+                    _ranges(None, T, rows_are_q, row_block, col_block)):
+        np.testing.assert_array_equal(a, b)
+    seg = np.asarray(_docs(2, T, 3, 12))
+    wg, _ = _ranges(jnp.asarray(seg), T, rows_are_q, row_block, col_block)
+    free = 0
+    for bi in range(2):
+        for r in range(T // row_block):
+            lo, mlo, mhi, hi = wg[bi, r]
+            assert lo <= mlo <= mhi <= hi
+            for c in range(mlo, mhi):
+                rows = seg[bi, r * row_block:(r + 1) * row_block]
+                cols = seg[bi, c * col_block:(c + 1) * col_block]
+                q, kk = (rows, cols) if rows_are_q else (cols, rows)
+                assert len(set(q.tolist()) | set(kk.tolist())) == 1, (bi, r, c)
+                qpos = r * row_block if rows_are_q else c * col_block
+                kpos = c * col_block if rows_are_q else r * row_block
+                kend = kpos + (col_block if rows_are_q else row_block) - 1
+                assert kend <= qpos                                  # below the diagonal
+                free += 1
+    assert free > 0                                  # the case has mask-free blocks to check
+
+
+def test_kernel_long_documents():
+    """Packed documents longer than the kernels' blocks (the pretraining batch's common case),
+    so the forward, dq and dk/dv kernels run mask-free blocks with segment ids beside masked
+    ones at the boundaries: o, lse and the gradients equal the fp32 oracle's; and one segment
+    per row gives, bit for bit, the outputs and gradients of no segment ids."""
+    B, T, N, K, Dqk, Dv = 1, 384, 2, 1, 192, 128
+    q, k, v, do = _inputs(21, B, T, T, N, K, Dqk, Dv, jnp.bfloat16)
+    seg = jnp.asarray(np.where(np.arange(T) < 300, 1, 2)[None], jnp.int32)
+
+    def run(segs):
+        f = lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=segs,
+                                            return_lse=True, impl="pallas")
+        (o, lse), vjp = jax.vjp(f, q, k, v)
+        return o, lse, vjp((do.astype(o.dtype), jnp.zeros_like(lse)))
+
+    o, lse, g = run(seg)
+    f32 = [x.astype(jnp.float32) for x in (q, k, v)]
+    (no, nlse), nvjp = jax.vjp(lambda *a: attention_naive(*a, causal=True, segment_ids=seg), *f32)
+    ng = nvjp((do, jnp.zeros_like(nlse)))
+    assert _rel(o, no) < 1e-2
+    np.testing.assert_allclose(np.asarray(lse), np.asarray(nlse), rtol=1e-4, atol=1e-4)
+    for gname, a, b in zip(("dq", "dk", "dv"), g, ng):
+        assert _rel(a, b) < 1e-2, gname
+    same = run(jnp.ones((B, T), jnp.int32))
+    plain = run(None)
+    for a, b in zip(jax.tree.leaves(same), jax.tree.leaves(plain)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
+                                      np.asarray(b.astype(jnp.float32)))
 
 
 def test_traced_offsets_match_static():
