@@ -145,9 +145,6 @@ def _dq_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, s
 
             def step(ki, dq, *, masked):
                 slot = lax.rem(ki - L, stages)
-                if masked and has_seg:   # loaded before the products: its latency overlaps them
-                    kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=COL,
-                                      optimized=False)
 
                 def probs(s):
                     p = jnp.exp2(s * c2 - lax.broadcast_in_dim(lse, s.shape, [0]))
@@ -157,6 +154,8 @@ def _dq_kernel(q, k, v, do, lse2, dlt, wgb, ctab, delta_arr, q_seg, kv_seg, *, s
                         if causal:
                             ok = ok & (kv_pos <= q_base + iota((bq, bkv), 0) + dl)
                         if has_seg:
+                            kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)],
+                                              layout=COL, optimized=False)
                             ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
                                        == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
                         p = jnp.where(ok, p, 0.0)

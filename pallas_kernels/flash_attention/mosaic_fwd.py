@@ -63,7 +63,7 @@ def _mm_acc_then_fresh(a1, b1, acc1, a2, b2, shape2, *, interpret, stage, after_
 
 
 def _key_loop(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, bars, sig, mask,
-              mask_pre, c2, stages, shapes, dtype, stage, interpret):
+              c2, stages, shapes, dtype, stage, interpret):
     """Key loop of one compute warpgroup, software-pipelined.
 
     Key blocks [L, H) are the CTA's; this warpgroup computes [lo, hi) (element masks outside
@@ -73,9 +73,6 @@ def _key_loop(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, ba
     after the loop. Turns: warpgroup w waits for its turn before issuing a block's products and
     passes the turn after, so the two warpgroups' products alternate while the other runs its
     softmax (warpgroup 0 takes the first turn unasked and consumes the last pass at the end).
-    mask(s, j, pre) masks block j's scores with what mask_pre(j) loaded from global memory
-    before the block's products were issued (the key segment ids), so the load's latency
-    overlaps them.
     Returns (acc [bq, Dv] fp32 unnormalised, m2 [bq], l [bq]).
     """
     k_bar, v_bar = bars
@@ -93,9 +90,9 @@ def _key_loop(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, ba
     def slot(j):
         return lax.rem(j - L, stages)
 
-    def softmax(s, j, acc, m_i, l_i, masked, pre=None):
+    def softmax(s, j, acc, m_i, l_i, masked):
         if masked:
-            s = mask(s, j, pre)
+            s = mask(s, j)
         return _online_softmax(s, acc, m_i, l_i, dtype, c2)
 
     def skip(j, c):
@@ -109,7 +106,6 @@ def _key_loop(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, ba
 
     def first(j, c):          # block lo: S alone, always element-masked (one block per tile)
         acc, m_i, l_i, _ = c
-        pre = mask_pre(j)
         plgpu.barrier_wait(k_bar.at[slot(j)])
         turn_wait(j)
 
@@ -119,12 +115,11 @@ def _key_loop(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, ba
             return s_ref[...]
         s = pl.run_scoped(qk, plgpu.ACC((bq, bkv), jnp.float32))
         sig.free("k", slot(j))
-        return softmax(s, j, acc, m_i, l_i, True, pre)
+        return softmax(s, j, acc, m_i, l_i, True)
 
     def step(j, c, *, masked):
         acc, m_i, l_i, p16 = c
         sp, sj = slot(j - 1), slot(j)
-        pre = mask_pre(j) if masked else None
         plgpu.barrier_wait(v_bar.at[sp])
         plgpu.barrier_wait(k_bar.at[sj])
         turn_wait(j)
@@ -133,7 +128,7 @@ def _key_loop(*, L, lo, mlo, mhi, hi, H, wg, carry, q_smem, k_smems, v_smems, ba
                                     after_issue=turn_pass)
         sig.free("v", sp)
         sig.free("k", sj)
-        return softmax(s, j, acc, m_i, l_i, masked, pre)
+        return softmax(s, j, acc, m_i, l_i, masked)
 
     def last(j, c):           # the P V product of block hi - 1
         acc, m_i, l_i, p16 = c
@@ -209,21 +204,15 @@ def _forward_kernel(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, caus
             l_i = plgpu.layout_cast(jnp.zeros((bq,), jnp.float32), ROW)
             plgpu.barrier_wait(q_bar.at[wg])
 
-            def mask_pre(ki):
-                """Key block ki's segment ids [bkv] (None without segments)."""
-                if not has_seg:
-                    return None
-                return plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=COL,
-                                  optimized=False)
-
-            def mask(s, ki, kseg):
-                """s with -inf where key block ki's columns are masked for this tile's rows
-                (kseg: the block's `mask_pre`)."""
+            def mask(s, ki):
+                """s with -inf where key block ki's columns are masked for this tile's rows."""
                 kv_pos = ki * bkv + iota((bq, bkv), 1)
                 ok = kv_pos < S
                 if causal:
                     ok = ok & (kv_pos <= q_base + iota((bq, bkv), 0) + dl)
                 if has_seg:
+                    kseg = plgpu.load(kseg_ref.at[b, pl.ds(ki * bkv, bkv)], layout=COL,
+                                      optimized=False)
                     ok = ok & (lax.broadcast_in_dim(qseg, (bq, bkv), [0])
                                == lax.broadcast_in_dim(kseg, (bq, bkv), [1]))
                 return jnp.where(ok, s, -jnp.inf)
@@ -231,7 +220,7 @@ def _forward_kernel(q, k, v, wgb, ctab, delta_arr, q_seg, kv_seg, *, scale, caus
             acc, m_i, l_i = _key_loop(
                 L=L, lo=lo, mlo=mlo, mhi=mhi, hi=hi, H=H, wg=wg, carry=(acc, m_i, l_i),
                 q_smem=q_smem, k_smems=k_smems, v_smems=v_smems, bars=(k_bar, v_bar), sig=sig,
-                mask=mask, mask_pre=mask_pre, c2=c2, stages=stages, shapes=((bq, bkv), (bq, Dv)), dtype=dtype,
+                mask=mask, c2=c2, stages=stages, shapes=((bq, bkv), (bq, Dv)), dtype=dtype,
                 stage=None if stage_smems is None else stage_smems.at[wg], interpret=interpret)
             empty = l_i == 0.0
             inv = 1.0 / jnp.where(empty, 1.0, l_i)
