@@ -178,20 +178,14 @@ def _tile_ranges_jnp(*, B, n_rows_p, row_block, n_cols_p, col_block, rows_are_q,
     if q_seg is not None:
         qmin, qmax = _seg_minmax(q_seg, T, row_block if rows_are_q else col_block)
         kmin, kmax = _seg_minmax(kv_seg, S, col_block if rows_are_q else row_block)
-        if rows_are_q:
-            meet = (qmin[:, :, None] <= kmax[:, None, :]) & (kmin[:, None, :] <= qmax[:, :, None])
-        else:
-            meet = (kmin[:, :, None] <= qmax[:, None, :]) & (qmin[:, None, :] <= kmax[:, :, None])
-        nonempty = nonempty & meet
+        # per row block [B, nr, 1] and per column block [B, 1, nc]
+        (rmin, rmax), (cmin, cmax) = ((qmin, qmax), (kmin, kmax)) if rows_are_q else (
+            (kmin, kmax), (qmin, qmax))
+        rmin, rmax, cmin, cmax = rmin[:, :, None], rmax[:, :, None], cmin[:, None], cmax[:, None]
+        nonempty = nonempty & (rmin <= cmax) & (cmin <= rmax)   # their id ranges meet
         # A block needs no segment mask when its queries and its keys all carry one and the
         # same id (documents longer than a block, or one segment per row): only those skip it.
-        if rows_are_q:
-            one = ((qmin == qmax)[:, :, None] & (kmin == kmax)[:, None, :]
-                   & (qmin[:, :, None] == kmin[:, None, :]))
-        else:
-            one = ((kmin == kmax)[:, :, None] & (qmin == qmax)[:, None, :]
-                   & (kmin[:, :, None] == qmin[:, None, :]))
-        full = full & one
+        full = full & (rmin == rmax) & (cmin == cmax) & (rmin == cmin)
     full = full & nonempty
     idx = jnp.arange(nc)
     any_ne = nonempty.any(-1)
