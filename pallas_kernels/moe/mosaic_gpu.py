@@ -16,8 +16,9 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   rows x all 2*tn columns and skips its wgmma when its rows hold none of the group (64-row
   compute granularity at group ends); it reads 25% more SMEM per k-step (64x64 of A + 64x256
   of B per warpgroup instead of 128x64 + 64x128), which made the forward slower on the H200
-  and dx = dy @ w^T faster. Only the group's rows are stored (a TMA store per set bit of the
-  row count). Rows past sum(group_sizes) are written as zeros. epilogue="swiglu": weight
+  and dx = dy @ w^T faster. Only the group's rows are stored: a whole tile by one TMA store
+  from swizzled staging, a partial one by a TMA store per set bit of its row count from the
+  same staging seen row-major. Rows past sum(group_sizes) are written as zeros. epilogue="swiglu": weight
   columns come gate/up interleaved in blocks of half a warpgroup's columns
   (`interleave_gate_up`, 64 by default), so each warpgroup's accumulator holds matching gate
   and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
@@ -334,6 +335,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         bx_block = (wn, r) if transpose_rhs else (r, wn)
         t_tr = _transforms(r, x.dtype)
         bx_tr = _transforms(r if transpose_rhs else wn, x.dtype)
+    out_tr = _transforms(wn, out_dtype)
     stages = _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, r)
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
@@ -368,7 +370,13 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
             pl.run_scoped,
             allocs=make_pipeline(ignore, ignore).get_allocations(
                 x_ref.at[pl.ds(0, tm), :], w_view0),
-            out_smem=plgpu.SMEM(out_shape, out_dtype),
+            # plain path: each warpgroup's buffer seen two ways, swizzled (wgmma's register
+            # layout stores into it without bank conflicts; TMA stores whole tiles from it) and
+            # row-major (partial tiles store any row range from it)
+            out_smem=plgpu.SMEM(out_shape, out_dtype) if swiglu else tuple(
+                plgpu.RefUnion(plgpu.SMEM((wm, wn), out_dtype, transforms=out_tr),
+                               plgpu.SMEM((wm, wn), out_dtype))
+                for _ in range(2)),
             extra_smem=None if extra is None else (
                 plgpu.SMEM((2, wm, r), x.dtype, transforms=t_tr),
                 plgpu.SMEM((2, *bx_block), x.dtype, transforms=bx_tr)),
@@ -439,10 +447,22 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
                             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             rows = pl.ds(r0, wm)
                             if not swiglu:
-                                out_smem[wg] = acc.astype(out_dtype)
-                                plgpu.commit_smem()
-                                _store_rows(out_smem.at[wg], o_ref.at[rows, pl.ds(c0, wn)],
-                                            wlo, whi, wm)
+                                dst = o_ref.at[rows, pl.ds(c0, wn)]
+                                full = (wlo == 0) & (whi == wm)
+                                for w in range(2):
+                                    swizzled, row_major = out_smem[w]
+
+                                    @pl.when((wg == w) & full)
+                                    def _(swizzled=swizzled):
+                                        swizzled[...] = acc.astype(out_dtype)
+                                        plgpu.commit_smem()
+                                        plgpu.copy_smem_to_gmem(swizzled, dst)
+
+                                    @pl.when((wg == w) & jnp.logical_not(full))
+                                    def _(row_major=row_major):
+                                        row_major[...] = acc.astype(out_dtype)
+                                        plgpu.commit_smem()
+                                        _store_rows(row_major, dst, wlo, whi, wm)
                                 return
                             gate = acc[:, :half]
                             up = acc[:, half:]

@@ -526,6 +526,26 @@ def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
     np.testing.assert_array_equal(np.asarray(outs[4], np.float32), np.asarray(outs[0], np.float32))
 
 
+@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
+def test_whole_and_partial_tiles_store_through_both_stagings(kernel_races, monkeypatch):
+    """A group that fills whole row tiles (stored from the swizzled staging) beside partial
+    tiles (row-major staging, one TMA box per set bit of the row count), in both warpgroup
+    splits and for dx: the reference's values, and no races between the two views."""
+    monkeypatch.setattr(mosaic_gpu, "default_interpret",
+                        lambda: _hopper.interpret_params(detect_races=True))
+    gmm = mosaic_gpu.gmm.__wrapped__
+    m, kd, n, e = 264, 128, 256, 3
+    x, w, dy = _operands(m, kd, n, e, seed=12)
+    gs = jnp.asarray([256, 0, 5], jnp.int32)     # tiles 0-1 whole, then 5 rows and rows past the sum
+    outs = [gmm(x, w, gs), gmm(x, w, gs, config=M_CONFIG), gmm(dy, w, gs, transpose_rhs=True)]
+    jax.block_until_ready(outs)
+    assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
+    wt = jnp.swapaxes(w, 1, 2)
+    for out, (a, b) in zip(outs, [(x, w), (x, w), (dy, wt)]):
+        ref = grouped_matmul_reference(a, b, gs, preferred_element_type=jnp.float32)
+        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+
+
 def test_unpermute_sum_gradient_through_the_row_kernel(monkeypatch):
     """unpermute_sum's gradient with impl="pallas" is permute's row kernel (interpret mode) and
     equals the XLA row gather dout[perm // K] bit for bit; a row the kernel cannot take (12
