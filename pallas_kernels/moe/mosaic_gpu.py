@@ -18,8 +18,8 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   of B per warpgroup instead of 128x64 + 64x128), which made the forward slower on the H200
   and dx = dy @ w^T faster. Only the group's rows are stored: a whole tile by one TMA store
   from swizzled staging, a partial one by a TMA store per set bit of its row count from the
-  same staging seen row-major. Rows past sum(group_sizes) are written as zeros. epilogue="swiglu": weight
-  columns come gate/up interleaved in blocks of half a warpgroup's columns
+  same staging seen row-major. Rows past sum(group_sizes) are written as zeros.
+  epilogue="swiglu": weight columns come gate/up interleaved in blocks of half a warpgroup's columns
   (`interleave_gate_up`, 64 by default), so each warpgroup's accumulator holds matching gate
   and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
   the backward, optionally the pre-activation h [M, N]. extra=(t, b): t[i] @ b[g] (a LoRA
