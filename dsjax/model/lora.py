@@ -142,17 +142,19 @@ class ExpertsLora(nnx.Module):
 
 
 def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: float = 0.0,
-                   in_stacks=None):
+                   in_stacks=None, dw_sinks=None):
     """Routed-expert projections of the same rows, each with its adapter: x [M, Din] rows sorted
     by expert, ws (w [E, Din, N_i], ...), pairs ((A [E, Din, r], B [E, r, N_i]) or None, ...) ->
     tuple of [M, N_i] in x.dtype. The adapters share one dropout mask of x (as PEFT's adapter
     on the fused gate_up_proj does) and one x A GEMM; each adapter's t B runs inside its base
     GEMM (`grouped_lora_matmuls`); every GEMM is grouped over the same `group_sizes` [E].
     in_stacks: None, or per w None or (stack, i) with w = stack[i], read in place
-    (`grouped_matmul(in_stack=...)`)."""
+    (`grouped_matmul(in_stack=...)`); dw_sinks: None, or per w None or (ref, row)
+    (`grouped_matmul(dw_sink=...)`)."""
     live = any(p is not None for p in pairs)
     return grouped_lora_matmuls(x, ws, pairs, group_sizes, scale=scale, impl=impl,
-                                x_adapter=_dropout(x, rate) if live else None, in_stacks=in_stacks)
+                                x_adapter=_dropout(x, rate) if live else None, in_stacks=in_stacks,
+                                dw_sinks=dw_sinks)
 
 
 # ----------------------------------------------------------------------------- attach

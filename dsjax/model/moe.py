@@ -30,6 +30,7 @@ from sharding.expert_parallel import moe_from_context, with_recompute
 
 EXPERT_PROJS = ("gate_proj", "up_proj", "down_proj")  # the routed experts' weights, [E, in, out]
 _STACKS = threading.local()
+_SINKS = threading.local()
 
 
 @contextlib.contextmanager
@@ -46,6 +47,37 @@ def expert_stacks(stacks, i: int):
         yield
     finally:
         _STACKS.value = prev
+
+
+@contextlib.contextmanager
+def expert_grad_sinks(sinks):
+    """Within this context the routed experts' weight gradients of unrolled MoE layers that read
+    their weights in place (`expert_stacks`) go to `sinks` ({name in EXPERT_PROJS: mutable ref
+    [L * E, in, out] in the stack's dtype}, made outside `jax.grad`): layer i's dW kernel
+    writes rows i E .. (i + 1) E in place and the layer's weight gets a zero gradient
+    (`grouped_matmul(dw_sink=...)`), so the stack's gradient is the ref's value with no
+    concatenation of per-layer gradients. Yields {name: set of layer indices traced with a sink},
+    for the caller to check that every layer wrote (or none did). sinks None: nothing."""
+    prev = getattr(_SINKS, "value", None)
+    used = {name: set() for name in (sinks or {})}
+    _SINKS.value = None if sinks is None else (sinks, used)
+    try:
+        yield used
+    finally:
+        _SINKS.value = prev
+
+
+def _dw_sink(name: str, n_experts: int):
+    """(ref, row) for `grouped_matmul(dw_sink=...)` of this layer's weight `name`, or None: only
+    where `_in_stack` reads the layer in place and a sink of the stack's shape is active."""
+    held, sunk = getattr(_STACKS, "value", None), getattr(_SINKS, "value", None)
+    if held is None or sunk is None or name not in sunk[0]:
+        return None
+    ref, stack = sunk[0][name], held[0][name]
+    if tuple(ref.shape) != (stack.shape[0] * stack.shape[1],) + tuple(stack.shape[2:]) or ref.dtype != stack.dtype:
+        return None
+    sunk[1][name].add(held[1])
+    return ref, held[1] * n_experts
 
 
 def _in_stack(name: str, dt):
@@ -162,10 +194,14 @@ class MoE(nnx.Module):
 
         ws = tuple(getattr(self, p)[...].astype(dt) for p in EXPERT_PROJS)
         in_stacks = tuple(_in_stack(p, dt) for p in EXPERT_PROJS)
-        g, u = expert_matmuls(xs, ws[:2], pairs[:2], group_sizes, s, c.moe_impl, rate, in_stacks[:2])
+        sinks = tuple(_dw_sink(p, c.n_routed_experts) if st is not None else None
+                      for p, st in zip(EXPERT_PROJS, in_stacks))
+        g, u = expert_matmuls(xs, ws[:2], pairs[:2], group_sizes, s, c.moe_impl, rate, in_stacks[:2],
+                              sinks[:2])
         w_rows = sorted_weights(weights, perm)
         h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
-        y, = expert_matmuls(h, ws[2:], pairs[2:], group_sizes, s, c.moe_impl, rate, in_stacks[2:])
+        y, = expert_matmuls(h, ws[2:], pairs[2:], group_sizes, s, c.moe_impl, rate, in_stacks[2:],
+                            sinks[2:])
         return unpermute_sum(y, perm, c.num_experts_per_tok, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):

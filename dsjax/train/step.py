@@ -34,7 +34,7 @@ from dsjax.model import ModelFns
 from dsjax.model import lora as lora_mod
 from dsjax.model.lm_loss import lm_head_loss, num_chunks
 from dsjax.model.mtp import mtp_targets
-from dsjax.model.moe import update_router_bias
+from dsjax.model.moe import EXPERT_PROJS, expert_grad_sinks, update_router_bias
 from dsjax.train import finetune
 from dsjax.train.finetune import grad_group_norms, token_counts
 from sharding import rules as shr
@@ -169,6 +169,36 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     # differentiates the trainable params only; frozen leaves and the LoRA dropout key ride along
     grad_fn = jax.value_and_grad(lora_mod.with_frozen(micro_loss), has_aux=True)
 
+    def expert_sinks(weights):
+        """{name: uninitialised ref [L * E, in, out]} for the trainable routed-expert stacks whose
+        unrolled layers read their weights in place (one device, layers unrolled, no remat and no
+        model.moe_recompute: with jax 0.11.2 a step that writes a ref under `jax.checkpoint`
+        fails at execution with an argument-count error):
+        their dW kernels write the stacked gradient there (`moe.expert_grad_sinks`). None when
+        the model will not take them."""
+        ctx = shr.current()
+        if (not has_moe or mcfg.scan_layers or mcfg.remat != "none" or mcfg.moe_recompute
+                or (ctx is not None and ctx.mesh.size > 1)):
+            return None
+        mlp = weights.get("moe_layers", {}).get("mlp", {})
+        out = {p: jax.empty_ref(jax.ShapeDtypeStruct((w.shape[0] * w.shape[1],) + w.shape[2:], w.dtype))
+               for p, w in mlp.items() if p in EXPERT_PROJS and hasattr(w, "shape")}
+        return out or None
+
+    def take_sunk(grads, sinks, used):
+        """grads with each stack whose every layer wrote its sink replaced by the sink's value."""
+        if not sinks:
+            return grads
+        L = mcfg.num_moe_layers
+        mlp = dict(grads["moe_layers"]["mlp"])
+        for p, ref in sinks.items():
+            if used[p] == set(range(L)):
+                mlp[p] = ref[...].reshape(mlp[p].shape)
+            elif used[p]:  # a partly written sink would give wrong gradients: fail at trace time
+                raise RuntimeError(f"train_step: moe_layers.mlp.{p}: only layers {sorted(used[p])} of "
+                                   f"{L} wrote their expert gradients in place")
+        return dict(grads, moe_layers=dict(grads["moe_layers"], mlp=mlp))
+
     def train_step(state, batch):
         if batch["inputs"].shape[0] != n_accum:
             raise ValueError(f"train_step: batch leading dim {batch['inputs'].shape[0]} must equal "
@@ -206,8 +236,11 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
                 aux0["mtp_expert_counts"] = jnp.zeros((n_mtp, mcfg.n_routed_experts))
         if n_accum == 1:  # no accumulator: saves a zero-fill and an add over every parameter
             mb = jax.tree.map(lambda x: x[0], batch)
-            (_, (nll_sum, aux)), grads = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total, n_real,
-                                                 frozen=frozen, key=mb.get("lora_key"))
+            sinks = expert_sinks(weights)
+            with expert_grad_sinks(sinks) as used:
+                (_, (nll_sum, aux)), grads = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total,
+                                                     n_real, frozen=frozen, key=mb.get("lora_key"))
+            grads = take_sunk(grads, sinks, used)
             aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)

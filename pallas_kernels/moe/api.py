@@ -117,6 +117,17 @@ def _extra_dt(backend, g, b, gs, t_dtype):
     return _gmm_backend(backend, g, b, gs, t_dtype, transpose_rhs=True)[:, :r]
 
 
+def _tgmm_into(backend, x, dy, gs, sink):
+    """dw = x^T dy per group (as `_tgmm_backend`) written into sink = (ref [G, Kx, N], row int32
+    []) at rows row .. row + E: in place by the kernel, by a dynamic update of the ref otherwise."""
+    ref, row = sink
+    if backend == "pallas":
+        mosaic_gpu.tgmm(x, dy, gs, out=ref, out_row=row)
+        return
+    dw = _tgmm_backend(backend, x, dy, gs, ref.dtype)
+    ref[...] = jax.lax.dynamic_update_slice(ref[...], dw, (row, 0, 0))
+
+
 def _tgmm_backend(backend, x, dy, gs, out_dtype):
     if backend == "stand_in":
         shape = (gs.shape[0], x.shape[1], dy.shape[1])
@@ -126,9 +137,11 @@ def _tgmm_backend(backend, x, dy, gs, out_dtype):
     return grouped_matmul_transposed_reference(x, dy, gs, preferred_element_type=out_dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
-def _gmm(x, w, gs, src, extra, out_dtype, backend):
+def _gmm_impl(x, w, gs, src, extra, out_dtype, backend):
     return _gmm_backend(backend, x, w, gs, out_dtype, src=src, extra=extra[:2])
+
+
+_gmm = jax.custom_vjp(_gmm_impl, nondiff_argnums=(5, 6))
 
 
 def _gmm_fwd(x, w, gs, src, extra, out_dtype, backend):
@@ -149,7 +162,7 @@ def _gmm_fwd(x, w, gs, src, extra, out_dtype, backend):
         ex = (t if b_trains else None, t[:0] if t_trains else None) + extra[1:]
     res = (w[:0] if src else w, gs, src, x[:0], x[:0] if x_trains else None,
            x if w_trains else None, ex)
-    return _gmm(x, w, gs, src, extra, out_dtype, backend), res
+    return _gmm_impl(x, w, gs, src, extra, out_dtype, backend), res
 
 
 def _tie(anchor, grads, sources):
@@ -171,7 +184,7 @@ def _tie(anchor, grads, sources):
     return anchor, grads
 
 
-def _gmm_bwd(out_dtype, backend, res, g):
+def _gmm_bwd(out_dtype, backend, res, g, sink=None):
     w, gs, src, x_meta, dx_wanted, x, ex = res
     nothing = (None,) * len(src)
     n_extra = len(ex) - 1 if ex else 0  # ex holds t's dtype carrier besides the inputs
@@ -197,7 +210,9 @@ def _gmm_bwd(out_dtype, backend, res, g):
             dt = None
     if dx_wanted is not None:
         dx = _gmm_backend(backend, g, w, gs, x_dt, transpose_rhs=True, src=src, extra=dx_extra)
-    if x is not None:
+    if x is not None and sink is not None:  # w's gradient goes to the sink; w gets none
+        _tgmm_into(backend, x, g, gs, sink)
+    elif x is not None:
         dw = _tgmm_backend(backend, x, g, gs, w.dtype)
     sources = (x.size + g.size if x is not None else 0, t.size + g.size if db is not None else 0)
     anchor, (dw, db) = _tie(dx if dx is not None else dt, (dw, db), sources)
@@ -209,6 +224,14 @@ def _gmm_bwd(out_dtype, backend, res, g):
 
 
 _gmm.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
+
+
+def _gmm_sinking(sink):
+    """`_gmm` whose weight gradient is written into sink = (ref, row) (`_tgmm_into`)."""
+    f = jax.custom_vjp(_gmm_impl, nondiff_argnums=(5, 6))
+    f.defvjp(_gmm_fwd, lambda out_dtype, backend, res, g: _gmm_bwd(out_dtype, backend, res, g, sink),
+             symbolic_zeros=True)
+    return f
 
 
 def extra_fits(x, w, r, *, impl="auto"):
@@ -225,7 +248,7 @@ def extra_fits(x, w, r, *, impl="auto"):
 
 
 def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=None, in_stack=None,
-                   extra=None):
+                   extra=None, dw_sink=None):
     """Grouped GEMM over consecutive row groups: out[i] = x[i] @ w[g(i)] (+ t[i] @ b[g(i)]).
 
     Args:
@@ -246,6 +269,11 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         gradient here (its own GEMM gives da = x^T dt). For the kernels, t, b, a are in x's
         dtype and R is a multiple of 64 small enough for shared memory (`extra_fits`; 128 at
         V2-Lite's widths); otherwise "auto" runs the reference.
+      dw_sink: None, or (ref, row): w's gradient is written into the mutable ref (`jax.new_ref`
+        / `jax.empty_ref`, [G, Kd, N] in w's dtype, made by the caller outside `jax.grad`) at
+        rows row .. row + E (row an int32 scalar), in place by the dW kernel, and w itself gets
+        a zero gradient; e.g. layer l of an unrolled stack writes its experts' gradient into the
+        stack's gradient at row l * E, so the layers' gradients need no concatenation.
     Returns:
       [M, N]. Differentiable in x, w, t and b (custom VJP: dx by a grouped GEMM with transposed
       weights, dw by a ragged-contraction grouped GEMM, computed only when w is differentiated;
@@ -277,7 +305,14 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         if backend != "reference":
             e = w.shape[0]
             src = (stack.reshape(-1, *w.shape[1:]), jnp.asarray(i * e, jnp.int32))
-    return _gmm(x, w, group_sizes.astype(jnp.int32), src, extra, out_dtype, backend)
+    gmm = _gmm
+    if dw_sink is not None:
+        ref, row = dw_sink
+        if tuple(ref.shape[1:]) != tuple(w.shape[1:]) or ref.dtype != w.dtype or ref.shape[0] < w.shape[0]:
+            raise ValueError(f"dw_sink: {ref.dtype}{list(ref.shape)} does not take w's gradient "
+                             f"{w.dtype}{list(w.shape)}")
+        gmm = _gmm_sinking((ref, jnp.asarray(row, jnp.int32)))
+    return gmm(x, w, group_sizes.astype(jnp.int32), src, extra, out_dtype, backend)
 
 
 # ----------------------------------------------------------------------------- fused gate/up + SwiGLU

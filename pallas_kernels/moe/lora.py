@@ -116,7 +116,7 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_
 
 
 def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str = "auto",
-                         x_adapter=None, in_stacks=None):
+                         x_adapter=None, in_stacks=None, dw_sinks=None):
     """Grouped GEMMs of the same rows x, each with its LoRA adapter:
     y_i = x @ W_i[g] + scale * (x_a @ A_i[g]) @ B_i[g] (Hu et al. 2021, eq. 3, per expert).
 
@@ -130,7 +130,8 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
       pairs: per W_i (A [E, Kd, r], B [E, r, N_i]) or None (no adapter);
       group_sizes: [E] int, sum <= M; scale: alpha / r; impl: as in `grouped_matmul`;
       x_adapter: the adapters' input (x with LoRA dropout), default x;
-      in_stacks: None, or per W_i None or (stack, i) (`grouped_matmul(in_stack=...)`).
+      in_stacks: None, or per W_i None or (stack, i) (`grouped_matmul(in_stack=...)`);
+      dw_sinks: None, or per W_i None or (ref, row) (`grouped_matmul(dw_sink=...)`).
     Returns:
       tuple of [M, N_i] in x.dtype, fp32 accumulation. Differentiable in x, x_adapter and
       every W, A, B.
@@ -138,6 +139,7 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
       ValueError: as `grouped_matmul`.
     """
     in_stacks = in_stacks or (None,) * len(ws)
+    dw_sinks = dw_sinks or (None,) * len(ws)
     live = [i for i, p in enumerate(pairs) if p is not None]
     extras = [None] * len(ws)
     fused = True
@@ -153,8 +155,9 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
                                     dx_elsewhere=same)
         for i, b in zip(live, placed):
             extras[i] = (t, b, a) if same else (t, b)
-    ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None)
-          for w, st, ex in zip(ws, in_stacks, extras)]
+    ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None,
+                             dw_sink=sk)
+          for w, st, ex, sk in zip(ws, in_stacks, extras, dw_sinks)]
     if not fused:
         for i in live:
             t, b = extras[i]

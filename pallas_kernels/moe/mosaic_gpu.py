@@ -509,18 +509,23 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
 
 
 @lower_once
-def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
+def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=None):
     """Ragged-contraction grouped GEMM (weight gradient): dw[g] = x[rows g]^T @ dy[rows g].
 
     Args:
       x: [M, Kx]; dy: [M, N], bf16/f16, rows sorted by group; group_sizes: [E] int,
         sum <= M (rows past the sum are ignored). M need not be a multiple of 8: the rows
         are then zero-padded to one (a copy of x and dy).
-      out_dtype: output dtype (default x.dtype); accumulation is fp32.
+      out_dtype: output dtype (default x.dtype, or out's); accumulation is fp32.
+      out: None, or a mutable ref (`jax.new_ref`) [G, Kx, N] that receives dw in place at
+        rows out_row .. out_row + E (e.g. layer l of a stacked gradient [L * E, Kx, N] at
+        out_row = l * E), so no [E, Kx, N] buffer is written and copied into it.
+      out_row: int or int32 scalar, with out; the caller keeps 0 <= out_row <= G - E.
     Returns:
-      [E, Kx, N]; groups with no rows give zeros.
+      [E, Kx, N] (None with out); groups with no rows give zeros.
     Raises:
-      ValueError: dtype not bf16/f16, Kx not a multiple of 64, N not a multiple of 128.
+      ValueError: dtype not bf16/f16, Kx not a multiple of 64, N not a multiple of 128, or an
+      out whose shape or dtype does not fit.
     """
     config = config or DEFAULT_CONFIG
     check_dtypes(x, dy)
@@ -533,7 +538,11 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
         x = jnp.pad(x, ((0, m_pad), (0, 0)))
         dy = jnp.pad(dy, ((0, m_pad), (0, 0)))
     e = group_sizes.shape[0]
-    out_dtype = jnp.dtype(out_dtype or x.dtype)
+    out_dtype = jnp.dtype(out_dtype or (out.dtype if out is not None else x.dtype))
+    if out is not None and (tuple(out.shape[1:]) != (kx, n) or out.shape[0] < e
+                            or out.dtype != out_dtype or out_row is None):
+        raise ValueError(f"out: {out.dtype}{list(out.shape)} does not take dw {out_dtype}[{e}, {kx}, {n}] "
+                         f"(out_row {out_row})")
     tk = config.tile_k
     tm = config.tile_m if kx % config.tile_m == 0 else 64
     if kx % tm:
@@ -568,7 +577,9 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
             compute_context=context,
         )
 
-    def kernel(starts_ref, sizes_ref, x_ref, dy_ref, o_ref):
+    def kernel(starts_ref, sizes_ref, x_ref, dy_ref, *refs):
+        row0 = refs[0][0] if out is not None else 0  # out_row, read from global memory
+        o_ref = refs[-1]
         ignore = lambda *_, **__: None
         dummy_steps = jnp.asarray(1, jnp.int32)  # dynamic grid, as in the real pipelines
 
@@ -627,7 +638,7 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
                             out_smem.at[wg],
-                            o_ref.at[g, pl.ds(ki * tm, tm), pl.ds(ni * cta_n + wg * tn, tn)])
+                            o_ref.at[row0 + g, pl.ds(ki * tm, tm), pl.ds(ni * cta_n + wg * tn, tn)])
 
                 make_pipeline(mma, context, steps)(
                     x_ref.at[pl.ds(base, m), pl.ds(ki * tm, tm)],
@@ -638,7 +649,7 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
 
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((e, kx, n), out_dtype),
+        out_type=() if out is not None else jax.ShapeDtypeStruct((e, kx, n), out_dtype),
         grid=(num_sms(),),
         grid_names=("sm",),
         num_threads=3,
@@ -647,4 +658,7 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None):
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=default_interpret(),
     )
-    return call(starts, gs, x, dy)
+    if out is None:
+        return call(starts, gs, x, dy)
+    call(starts, gs, x, dy, jnp.asarray(out_row, jnp.int32).reshape(1), out)
+    return None

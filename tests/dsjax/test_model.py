@@ -316,12 +316,12 @@ def test_unrolled_moe_layers_read_expert_weights_in_their_stack(monkeypatch, wei
     from pallas_kernels.moe import api as moe_api
     calls, real = [], moe_api.grouped_matmul
 
-    def spy(x, w, gs, *, impl, in_stack=None, extra=None):
+    def spy(x, w, gs, *, impl, in_stack=None, extra=None, dw_sink=None):
         if in_stack is not None:
             stack, i = in_stack
             np.testing.assert_array_equal(np.asarray(stack[i], np.float32), np.asarray(w, np.float32))
         calls.append(None if in_stack is None else (in_stack[0].shape, in_stack[1]))
-        return real(x, w, gs, impl=impl, in_stack=in_stack, extra=extra)
+        return real(x, w, gs, impl=impl, in_stack=in_stack, extra=extra, dw_sink=dw_sink)
 
     cfg = small_cfg(dtype="bfloat16", weight_dtype=weight_dtype, scan_layers=scan)
     m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))

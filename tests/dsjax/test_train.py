@@ -377,3 +377,36 @@ def test_cli_log_lines_have_one_format():
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"^\d\d:\d\d:\d\d dsjax\.train: resumed from step 7$", r.stderr, re.M), r.stderr
     assert "INFO:dsjax" not in r.stderr
+
+
+@pytest.mark.parametrize("extra", [[], ["model.moe_recompute=true"]])
+def test_expert_gradients_written_in_place_equal_the_stacked_ones(tmp_path, monkeypatch, extra):
+    """Unrolled MoE layers on one device write their routed experts' weight gradients into the
+    stacked gradient in place (`moe.expert_grad_sinks`, one uninitialised ref per projection);
+    two train steps give bitwise the params, moments and metrics of the per-layer gradients
+    stacked after the backward (the sinks switched off). Not under model.moe_recompute."""
+    import dsjax.train.step as step_mod
+    cfg = _small(tmp_path, "model.num_hidden_layers=3", *extra)  # 2 MoE layers
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    b = _batch(cfg, 0, 1)
+    make = lambda: make_train_step(cfg, fns, tx, sched)  # noqa: E731
+    def two_steps():
+        step = jax.jit(make())
+        s, _ = step(init_state(p, r, tx), b)
+        return step(s, _batch(cfg, 1, 1))  # the first step's learning rate is 0 (warmup)
+    sunk = "empty_ref" in str(jax.make_jaxpr(make())(init_state(p, r, tx), b))
+    assert sunk == (not extra)
+    s1, m1 = two_steps()
+    monkeypatch.setattr(step_mod, "EXPERT_PROJS", ())
+    assert "empty_ref" not in str(jax.make_jaxpr(make())(init_state(p, r, tx), b))
+    s2, m2 = two_steps()
+    for k in ("params", "opt"):
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(s1[k])[0], jax.tree.leaves(s2[k])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+    for k in m1:
+        np.testing.assert_array_equal(np.asarray(m1[k]), np.asarray(m2[k]), err_msg=k)
+    for proj in ("gate_proj", "up_proj", "down_proj"):  # every layer's experts moved
+        moved = np.abs(np.asarray(s1["params"]["moe_layers"]["mlp"][proj], np.float32)
+                       - np.asarray(p["moe_layers"]["mlp"][proj], np.float32))
+        assert moved.reshape(moved.shape[0], -1).max(axis=1).min() > 0, proj

@@ -402,6 +402,40 @@ def test_grouped_matmul_in_stack_reads_the_layer_in_place():
         grouped_matmul(x, stack[0], gs, impl="pallas", in_stack=(stack, layers))
 
 
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_grouped_matmul_dw_sink_writes_the_stacked_gradient_in_place(impl):
+    """dw_sink=(ref, l * E) in each layer of a stack: every layer's weight gradient lands in rows
+    l E .. (l + 1) E of one uninitialised ref (the kernel: in place, `tgmm(out=...)`), bitwise the
+    per-layer gradients of plain autodiff; the weights themselves get zero gradients; a ref of the
+    wrong shape raises."""
+    m, kd, n, e, layers = 136, 128, 256, 3, 2
+    x, _, _ = _operands(m, kd, n, e, seed=7)
+    stack = (jax.random.normal(jax.random.key(8), (layers, e, kd, n)) / 8).astype(jnp.bfloat16)
+    gs = group_sizes_of("zipf", 120, e, seed=7)
+    cot = jax.random.normal(jax.random.key(9), (m, n)).astype(jnp.bfloat16)
+
+    def loss(stack, sink=None):
+        y = 0.0
+        for i in range(layers):
+            y = y + grouped_matmul(x, stack[i], gs, impl=impl, in_stack=(stack, i),
+                                   dw_sink=None if sink is None else (sink, i * e)).astype(jnp.float32)
+        return jnp.sum(y * cot.astype(jnp.float32))
+
+    @jax.jit
+    def sunk(stack):
+        ref = jax.empty_ref(jax.ShapeDtypeStruct((layers * e, kd, n), stack.dtype))
+        g = jax.grad(loss)(stack, ref)
+        return g, ref[...].reshape(stack.shape)
+
+    want = jax.jit(jax.grad(loss))(stack)
+    g_w, got = sunk(stack)
+    assert float(jnp.max(jnp.abs(want.astype(jnp.float32)))) > 0
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    assert not bool(jnp.any(g_w != 0))
+    with pytest.raises(ValueError, match="dw_sink"):
+        grouped_matmul(x, stack[0], gs, impl=impl, dw_sink=(jnp.zeros((e, kd, n + 128), jnp.bfloat16), 0))
+
+
 def test_fused_gate_up_swiglu_forward_and_grads():
     """gate_up_swiglu (one kernel: gate/up GEMM + SwiGLU on the fp32 accumulators) vs the fp32
     formula silu(x @ Wg) * (x @ Wu) per group, values and gradients; an empty expert."""
