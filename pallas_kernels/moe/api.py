@@ -7,7 +7,7 @@ Legend: T tokens, K top-k, D hidden, E experts, M = T*K routed rows, N output wi
 
 Backends (`impl`):
   "reference": pure jnp (reference.py), fp32 accumulation, memory linear in tokens.
-  "pallas":    Mosaic GPU grouped GEMMs (mosaic_gpu.py) for forward, dx and dw; on a machine
+  "pallas":    Mosaic GPU grouped GEMMs (mosaic_gpu.py, mosaic_tgmm.py) for forward, dx and dw; on a machine
                without a Hopper GPU they run in GPU interpret mode (slow; for tests). Raises
                ValueError for shapes/dtypes the kernels cannot take.
   "auto":      "pallas" on a Hopper GPU when the shapes fit the kernels, else "reference".
@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _compile_only
-from pallas_kernels.moe import mosaic_gpu
+from pallas_kernels.moe import mosaic_gpu, mosaic_tgmm
 from pallas_kernels.moe.reference import grouped_matmul_reference, grouped_matmul_transposed_reference
 from pallas_kernels.moe.routing import _check, _hopper, _kernel_backend
 
@@ -122,7 +122,7 @@ def _tgmm_into(backend, x, dy, gs, sink):
     []) at rows row .. row + E: in place by the kernel, by a dynamic update of the ref otherwise."""
     ref, row = sink
     if backend == "pallas":
-        mosaic_gpu.tgmm(x, dy, gs, out=ref, out_row=row)
+        mosaic_tgmm.tgmm(x, dy, gs, out=ref, out_row=row)
         return
     dw = _tgmm_backend(backend, x, dy, gs, ref.dtype)
     ref[...] = jax.lax.dynamic_update_slice(ref[...], dw, (row, 0, 0))
@@ -133,7 +133,7 @@ def _tgmm_backend(backend, x, dy, gs, out_dtype):
         shape = (gs.shape[0], x.shape[1], dy.shape[1])
         return _compile_only.stand_in(jax.ShapeDtypeStruct(shape, out_dtype), x, dy, gs)
     if backend == "pallas":
-        return mosaic_gpu.tgmm(x, dy, gs, out_dtype=out_dtype)
+        return mosaic_tgmm.tgmm(x, dy, gs, out_dtype=out_dtype)
     return grouped_matmul_transposed_reference(x, dy, gs, preferred_element_type=out_dtype)
 
 

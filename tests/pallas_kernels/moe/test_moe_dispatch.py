@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from pallas_kernels import _hopper
 from pallas_kernels.moe import (gate_up_swiglu, grouped_matmul, permute, sorted_weights, swiglu, unpermute,
                                 unpermute_sum)
-from pallas_kernels.moe import mosaic_gpu
+from pallas_kernels.moe import mosaic_gpu, mosaic_tgmm
 from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference)
 
@@ -250,7 +250,7 @@ def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     dx_ref = grouped_matmul_reference(f32(dy), jnp.swapaxes(f32(w), 1, 2), gs)
     assert rel_err(dx, dx_ref) < 1e-5
 
-    dw = mosaic_gpu.tgmm(x, dy, gs, out_dtype=jnp.float32)
+    dw = mosaic_tgmm.tgmm(x, dy, gs, out_dtype=jnp.float32)
     dw_ref = grouped_matmul_transposed_reference(f32(x), f32(dy), gs)
     assert rel_err(dw, dw_ref) < 1e-5
     empty = np.asarray(gs) == 0
@@ -545,7 +545,7 @@ def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
     136-row x with an empty group and rows past the sum."""
     monkeypatch.setattr(mosaic_gpu, "default_interpret",
                         lambda: _hopper.interpret_params(detect_races=True))
-    gmm, tgmm = mosaic_gpu.gmm.__wrapped__, mosaic_gpu.tgmm.__wrapped__  # traced afresh
+    gmm, tgmm = mosaic_gpu.gmm.__wrapped__, mosaic_tgmm.tgmm.__wrapped__  # traced afresh
     m, kd, n, e = 136, 128, 256, 3
     x, w, dy = _operands(m, kd, n, e, seed=8)
     gs = jnp.asarray([70, 0, 50], jnp.int32)
