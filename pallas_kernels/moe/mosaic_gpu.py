@@ -47,7 +47,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
 
-_SMEM_BYTES = 227 * 1024 - 4096  # usable dynamic SMEM per CTA on sm90, minus barrier slack
+_SMEM_BYTES = 227 * 1024 - 2048  # usable dynamic SMEM per CTA on sm90, minus barrier slack
+_EPI = 64  # plain epilogue: rows and columns of one staged output sub-tile
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
 
 
@@ -216,9 +217,10 @@ def _column_tiles(n, out_dtype, config, swiglu=False, extra_r=0):
     return tn, wm, wg_cols(tn)
 
 
-def _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, extra_r=0):
+def _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, extra_r=0, swiglu=False):
     """Pipeline stages of `gmm` in shared memory beside its output staging and extra tiles."""
-    fixed = 2 * wm * wn * out_dtype.itemsize + 2 * (wm * extra_r + extra_r * wn) * itemsize
+    staging = 2 * wm * wn if swiglu else 2 * 2 * min(_EPI, wm) * min(_EPI, wn)
+    fixed = staging * out_dtype.itemsize + 2 * (wm * extra_r + extra_r * wn) * itemsize
     step = (config.tile_m * config.tile_k + config.tile_k * 2 * tn) * itemsize
     return _stages(step, fixed, config.max_concurrent_steps)
 
@@ -332,8 +334,9 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         bx_block = (wn, r) if transpose_rhs else (r, wn)
         t_tr = _transforms(r, x.dtype)
         bx_tr = _transforms(r if transpose_rhs else wn, x.dtype)
-    out_tr = _transforms(wn, out_dtype)
-    stages = _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, r)
+    out_tr = _transforms(min(_EPI, wn), out_dtype)
+    stages = _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, r, swiglu)
+    em, en = min(_EPI, wm), min(_EPI, wn)  # plain epilogue sub-tile
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
     half = wn // 2  # swiglu: gate and up columns per warpgroup
@@ -353,6 +356,33 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
             compute_context=context,
         )
 
+    def _store_tiled(acc, out_smem, o_ref, wg, r0, c0, wlo, whi):
+        """Plain epilogue: the warpgroup's [wm, wn] fp32 accumulator, rows [wlo, whi) of it,
+        to o_ref[r0:, c0:] in em x en sub-tiles through two staging slots, so that writing
+        one slot overlaps the TMA store from the other."""
+        for i in range((wm // em) * (wn // en)):
+            mi, nj = divmod(i, wn // en)
+            sub = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en].astype(out_dtype)
+            slo = jnp.clip(wlo - mi * em, 0, em)
+            shi = jnp.clip(whi - mi * em, 0, em)
+            full = (slo == 0) & (shi == em)
+            dst = o_ref.at[pl.ds(r0 + mi * em, em), pl.ds(c0 + nj * en, en)]
+            plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+            for w in range(2):
+                swizzled, row_major = out_smem[w][i % 2]
+
+                @pl.when((wg == w) & full)
+                def _(swizzled=swizzled):
+                    swizzled[...] = sub
+                    plgpu.commit_smem()
+                    plgpu.copy_smem_to_gmem(swizzled, dst)
+
+                @pl.when((wg == w) & jnp.logical_not(full) & (shi > slo))
+                def _(row_major=row_major):
+                    row_major[...] = sub
+                    plgpu.commit_smem()
+                    _store_rows(row_major, dst, slo, shi, em)
+
     def kernel(table_ref, x_ref, w_ref, *refs):
         t_ref, b_ref = refs[:2] if extra is not None else (None, None)
         refs = refs[2:] if extra is not None else refs
@@ -371,8 +401,9 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
             # layout stores into it without bank conflicts; TMA stores whole tiles from it) and
             # row-major (partial tiles store any row range from it)
             out_smem=plgpu.SMEM(out_shape, out_dtype) if swiglu else tuple(
-                plgpu.RefUnion(plgpu.SMEM((wm, wn), out_dtype, transforms=out_tr),
-                               plgpu.SMEM((wm, wn), out_dtype))
+                tuple(plgpu.RefUnion(plgpu.SMEM((em, en), out_dtype, transforms=out_tr),
+                                     plgpu.SMEM((em, en), out_dtype))
+                      for _ in range(2))
                 for _ in range(2)),
             extra_smem=None if extra is None else (
                 plgpu.SMEM((2, wm, r), x.dtype, transforms=t_tr),
@@ -441,26 +472,11 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
                                                 b_s.transpose((1, 0)) if transpose_rhs else b_s)
                             plgpu.wgmma_wait(0)
                             acc = acc_ref[...]
-                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             rows = pl.ds(r0, wm)
                             if not swiglu:
-                                dst = o_ref.at[rows, pl.ds(c0, wn)]
-                                full = (wlo == 0) & (whi == wm)
-                                for w in range(2):
-                                    swizzled, row_major = out_smem[w]
-
-                                    @pl.when((wg == w) & full)
-                                    def _(swizzled=swizzled):
-                                        swizzled[...] = acc.astype(out_dtype)
-                                        plgpu.commit_smem()
-                                        plgpu.copy_smem_to_gmem(swizzled, dst)
-
-                                    @pl.when((wg == w) & jnp.logical_not(full))
-                                    def _(row_major=row_major):
-                                        row_major[...] = acc.astype(out_dtype)
-                                        plgpu.commit_smem()
-                                        _store_rows(row_major, dst, wlo, whi, wm)
+                                _store_tiled(acc, out_smem, o_ref, wg, r0, c0, wlo, whi)
                                 return
+                            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
                             gate = acc[:, :half]
                             up = acc[:, half:]
                             if return_h:
