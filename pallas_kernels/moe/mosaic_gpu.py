@@ -327,6 +327,16 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         off = jnp.asarray(group_offset, jnp.int32)
         table = jnp.concatenate([table, (jnp.minimum(table[0], e - 1) + off)[None]])
     num_tiles = table.shape[1]
+    stages = _gmm_stages(tn, wm, wn, x.dtype.itemsize, out_dtype, config, r, swiglu)
+    # Consecutive work items of a CTA run as one pipeline of pipelines (START, STEADY..., STOP):
+    # the memory warpgroup loads the next item's first slots while the compute warpgroups finish
+    # the current one, instead of draining and refilling the pipeline per item. It needs the
+    # k steps to fill whole rounds of the slots, and every CTA to run at least two items (the
+    # tiles cover all mp rows, so there are at least mp // tm * grid_n of them).
+    chain = k_steps % stages == 0 and mp // tm * grid_n >= 2 * num_sms()
+    if chain:  # last row: the number of valid work items (rows lo < hi), in every column
+        n_items = jnp.sum(table[3] > table[2]).astype(jnp.int32) * grid_n
+        table = jnp.concatenate([table, jnp.broadcast_to(n_items, (1, num_tiles))])
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
     b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype)
@@ -335,13 +345,12 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         t_tr = _transforms(r, x.dtype)
         bx_tr = _transforms(r if transpose_rhs else wn, x.dtype)
     out_tr = _transforms(min(_EPI, wn), out_dtype)
-    stages = _gmm_stages(tn, wm, wn, itemsize, out_dtype, config, r, swiglu)
     em, en = min(_EPI, wm), min(_EPI, wn)  # plain epilogue sub-tile
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
     b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
     half = wn // 2  # swiglu: gate and up columns per warpgroup
 
-    def make_pipeline(body, context):
+    def make_pipeline(body, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
             grid=(k_steps,),
@@ -354,6 +363,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
             num_compute_wgs=2,
             max_concurrent_steps=stages,
             compute_context=context,
+            pipeline_state=state,
         )
 
     def _store_tiled(acc, out_smem, o_ref, wg, r0, c0, wlo, whi):
@@ -496,7 +506,15 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
 
                     w_view = (w_ref.at[gw, pl.ds(ni * cta_n, cta_n), :] if transpose_rhs
                               else w_ref.at[gw, :, pl.ds(ni * cta_n, cta_n)])
-                    make_pipeline(mma, context)(
+                    state = None
+                    if chain:  # valid items are a prefix of the item order
+                        last = (table_ref[table.shape[0] - 1, 0] - 1 - lax.axis_index("sm")) \
+                            // num_sms()
+                        j = info.local_index
+                        state = jnp.where(j == 0, plgpu.PipelinePipeline.START,
+                                          jnp.where(j == last, plgpu.PipelinePipeline.STOP,
+                                                    plgpu.PipelinePipeline.STEADY))
+                    make_pipeline(mma, context, state)(
                         x_ref.at[pl.ds(row0, tm), :], w_view, allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
