@@ -18,7 +18,11 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   of B per warpgroup instead of 128x64 + 64x128), which made the forward slower on the H200
   and dx = dy @ w^T faster. Only the group's rows are stored: a whole tile by one TMA store
   from swizzled staging, a partial one by a TMA store per set bit of its row count from the
-  same staging seen row-major. Rows past sum(group_sizes) are written as zeros.
+  same staging seen row-major, 64 x 64 at a time through two slots per warpgroup (writing one
+  slot overlaps the store from the other). Rows past sum(group_sizes) are written as zeros.
+  Where every CTA runs two or more work items, they run as one pipeline of pipelines: the TMA
+  warpgroup loads the next item's first k steps while the compute warpgroups finish the
+  current one.
   epilogue="swiglu": weight columns come gate/up interleaved in blocks of half a warpgroup's columns
   (`interleave_gate_up`, 64 by default), so each warpgroup's accumulator holds matching gate
   and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
@@ -333,10 +337,18 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     # the current one, instead of draining and refilling the pipeline per item. It needs the
     # k steps to fill whole rounds of the slots, and every CTA to run at least two items (the
     # tiles cover all mp rows, so there are at least mp // tm * grid_n of them).
-    chain = k_steps % stages == 0 and mp // tm * grid_n >= 2 * num_sms()
+    # With the extra contraction or the SwiGLU epilogue, k steps that do not fill whole rounds
+    # (K 1408 = 22 steps of 64 into 4 slots) are padded: the padding steps load the last block
+    # again and skip the wgmma. On the H200 the padding gained 3-5 % on those GEMMs at V2-Lite
+    # widths and lost up to 4 % on the plain GEMM, which is therefore not padded.
+    pad = extra is not None or swiglu
+    pipe_steps = -(-k_steps // stages) * stages if pad else k_steps
+    chain = pipe_steps % stages == 0 and mp // tm * grid_n >= 2 * num_sms()
     if chain:  # last row: the number of valid work items (rows lo < hi), in every column
         n_items = jnp.sum(table[3] > table[2]).astype(jnp.int32) * grid_n
         table = jnp.concatenate([table, jnp.broadcast_to(n_items, (1, num_tiles))])
+    else:
+        pipe_steps = k_steps
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
     b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype)
@@ -347,16 +359,18 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     out_tr = _transforms(min(_EPI, wn), out_dtype)
     em, en = min(_EPI, wm), min(_EPI, wn)  # plain epilogue sub-tile
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)
-    b_index = (lambda k: (0, k)) if transpose_rhs else (lambda k: (k, 0))
+    last_k = lambda k: jnp.minimum(k, k_steps - 1) if pipe_steps > k_steps else k
+    b_index = (lambda k: (0, last_k(k))) if transpose_rhs else (lambda k: (last_k(k), 0))
     half = wn // 2  # swiglu: gate and up columns per warpgroup
 
     def make_pipeline(body, context, state=None):
         return plgpu.emit_pipeline_warp_specialized(
             body,
-            grid=(k_steps,),
+            grid=(pipe_steps,),
             memory_registers=config.memory_registers,
             in_specs=[
-                plgpu.BlockSpec((tm, tk), lambda k: (0, k), transforms=a_tr, delay_release=0),
+                plgpu.BlockSpec((tm, tk), lambda k: (0, last_k(k)), transforms=a_tr,
+                                delay_release=0),
                 plgpu.BlockSpec(b_block, b_index, transforms=b_tr, delay_release=0),
             ],
             wg_axis="wg",
@@ -446,8 +460,8 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
 
                 @pl.when(hi > lo)
                 def _():
-                    def mma(_, a_smem, b_smem, acc_ref):
-                        @pl.when(active)
+                    def mma(idx, a_smem, b_smem, acc_ref):
+                        @pl.when(active & (idx[0] < k_steps) if pipe_steps > k_steps else active)
                         def _():
                             if split_m:
                                 a = a_smem.at[pl.ds(pl.multiple_of(wg * wm, wm), wm)]

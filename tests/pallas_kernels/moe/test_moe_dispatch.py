@@ -560,6 +560,48 @@ def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
     np.testing.assert_array_equal(np.asarray(outs[4], np.float32), np.asarray(outs[0], np.float32))
 
 
+def test_mosaic_gmm_chained_work_items():
+    """Work items chained as one pipeline of pipelines (every CTA runs two or more; interpret
+    mode has 2 CTAs): whole rounds of k steps (plain, dx), and padded ones (6 k steps into 4
+    slots) with the extra contraction and the SwiGLU epilogue; ragged groups, an empty one and
+    rows past the sum. Against the fp32 reference."""
+    m, n, e = 520, 256, 4
+    gs = jnp.asarray([130, 0, 250, 100], jnp.int32)
+    f32 = lambda a: a.astype(jnp.float32)
+    x, w, dy = _operands(m, 256, n, e, seed=21)
+    out = mosaic_gpu.gmm(x, w, gs)  # bf16 out: 4 slots, 4 k steps (fp32 staging leaves 3)
+    assert rel_err(out, grouped_matmul_reference(f32(x), f32(w), gs)) < 1e-2
+    assert np.all(np.asarray(out, np.float32)[int(gs.sum()):] == 0)
+    dx = mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True)
+    assert rel_err(dx, grouped_matmul_reference(f32(dy), jnp.swapaxes(f32(w), 1, 2), gs)) < 1e-2
+    x, w, _ = _operands(m, 384, n, e, seed=22)
+    t, b = x[:, :64], w[:, :64]
+    out = mosaic_gpu.gmm(x, w, gs, out_dtype=jnp.float32, extra=(t, b))
+    ref = grouped_matmul_reference(f32(x), f32(w), gs) + grouped_matmul_reference(f32(t), f32(b), gs)
+    assert rel_err(out, ref) < 1e-5
+    act = mosaic_gpu.gmm(x, w, gs, epilogue="swiglu")
+    gate, up = mosaic_gpu.deinterleave_gate_up(grouped_matmul_reference(f32(x), f32(w), gs))
+    assert act.shape == (m, n // 2) and rel_err(act, jax.nn.silu(gate) * up) < 1e-2
+
+
+@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
+def test_chained_work_items_no_races(kernel_races, monkeypatch):
+    """GPU interpret mode with race detection: work items chained as one pipeline of
+    pipelines, whole rounds (plain) and padded (extra contraction), ragged groups."""
+    monkeypatch.setattr(mosaic_gpu, "default_interpret",
+                        lambda: _hopper.interpret_params(detect_races=True))
+    gmm = mosaic_gpu.gmm.__wrapped__
+    m, n, e = 512, 256, 3
+    gs = jnp.asarray([200, 0, 260], jnp.int32)
+    x, w, _ = _operands(m, 256, n, e, seed=23)
+    x3, w3, _ = _operands(m, 384, n, e, seed=24)
+    outs = [gmm(x, w, gs), gmm(x3, w3, gs, extra=(x3[:, :64], w3[:, :64]))]
+    jax.block_until_ready(outs)
+    assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
+    ref = grouped_matmul_reference(x, w, gs, preferred_element_type=jnp.float32)
+    np.testing.assert_allclose(np.asarray(outs[0], np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
 def test_whole_and_partial_tiles_store_through_both_stagings(kernel_races, monkeypatch):
     """A group that fills whole row tiles (stored from the swizzled staging) beside partial
