@@ -383,7 +383,10 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
     def _store_tiled(acc, out_smem, o_ref, wg, r0, c0, wlo, whi):
         """Plain epilogue: the warpgroup's [wm, wn] fp32 accumulator, rows [wlo, whi) of it,
         to o_ref[r0:, c0:] in em x en sub-tiles through two staging slots, so that writing
-        one slot overlaps the TMA store from the other."""
+        one slot overlaps the TMA store from the other. Sub-tiles without rows store nothing,
+        so the previous item's last store may have used either slot: all of them are awaited
+        first (issued before this item's main loop, they are long done)."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         for i in range((wm // em) * (wn // en)):
             mi, nj = divmod(i, wn // en)
             sub = acc[mi * em:(mi + 1) * em, nj * en:(nj + 1) * en].astype(out_dtype)
