@@ -29,7 +29,6 @@ import argparse
 import functools
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -37,6 +36,8 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from pallas_kernels._hopper import num_sms, on_hopper  # noqa: E402
 from pallas_kernels.moe import mosaic_gpu  # noqa: E402
+
+from moe import seconds  # noqa: E402 (benchmarks/moe.py: median of timed back-to-back calls)
 
 N = 2048
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
@@ -55,18 +56,6 @@ def jax_example(a, b):
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
     return call(a, b, None)
-
-
-def seconds(fn, args, iters, reps):
-    jax.block_until_ready(fn(*args))
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts)
 
 
 def rows_for(m, k, e, key):
