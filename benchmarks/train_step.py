@@ -116,6 +116,7 @@ def run_dsjax(args, row: str) -> dict:
     if args.profile:
         out["parts_ms"] = traced_parts(compiled, state, batch, os.path.join(args.profile, row), 3)
     if args.hlo:
+        os.makedirs(args.hlo, exist_ok=True)
         with open(os.path.join(args.hlo, f"{row}.hlo.txt"), "w") as f:
             f.write(compiled.as_text())
     return out

@@ -7,9 +7,9 @@ Legend: T tokens, K top-k, D hidden, E experts, M = T*K routed rows, N output wi
 
 Backends (`impl`):
   "reference": pure jnp (reference.py), fp32 accumulation, memory linear in tokens.
-  "pallas":    Mosaic GPU grouped GEMMs (mosaic_gpu.py, mosaic_tgmm.py) for forward, dx and dw; on a machine
-               without a Hopper GPU they run in GPU interpret mode (slow; for tests). Raises
-               ValueError for shapes/dtypes the kernels cannot take.
+  "pallas":    Mosaic GPU grouped GEMMs (mosaic_gpu.py for forward and dx, mosaic_tgmm.py for
+               dw); on a machine without a Hopper GPU they run in GPU interpret mode (slow; for
+               tests). Raises ValueError for shapes/dtypes the kernels cannot take.
   "auto":      "pallas" on a Hopper GPU when the shapes fit the kernels, else "reference".
 Inside `pallas_kernels._compile_only.hopper_kernels_compile_only()` (memory planning on CPU)
 "auto" resolves as on Hopper and the Mosaic kernels compile to shape-only stand-ins

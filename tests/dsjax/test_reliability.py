@@ -508,3 +508,21 @@ def test_fuzz_sample_through_the_cli(tmp_path, monkeypatch, capsys):
         assert code == 2 and len(lines) == 1, (name, code, stderr[-2000:])
         assert lines[0].startswith("dsjax.train: error: config: "), lines
         assert not (tmp_path / f"run{i}").exists()
+
+
+def test_summary_line_survives_non_finite_numbers(monkeypatch, capsys):
+    """A finished run whose summary holds non-finite numbers (a custom loader's non-finite loss
+    mask makes the token count infinite; a NaN validation loss) still prints one JSON summary
+    line, with null for those numbers, and exits normally."""
+    import dsjax.train.__main__ as cli
+    summary = {"steps": 4, "wall_s": 12.34, "train_s": float("inf"), "tokens_per_s": float("inf"),
+               "val_loss": {"0": 6.27001, "4": float("nan")}, "run_dir": "runs/x"}
+    monkeypatch.setattr(cli, "load_config", lambda args: None)
+    monkeypatch.setattr(cli, "train", lambda cfg, **kw: summary)
+    monkeypatch.setattr(sys, "argv", ["dsjax.train", "--config", "unused.yaml"])
+    cli.main()
+    out = capsys.readouterr().out.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith("summary ")
+    line = json.loads(out[0][len("summary "):])
+    assert line == {"steps": 4, "wall_s": 12.3, "train_s": None, "tokens_per_s": None,
+                    "val_loss": {"0": 6.27, "4": None}, "run_dir": "runs/x"}

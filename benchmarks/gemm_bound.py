@@ -1,0 +1,117 @@
+"""What bounds the expert grouped GEMM: ours against cuBLAS and JAX's Hopper matmul example.
+
+    python benchmarks/gemm_bound.py [--rounds 1] [--iters 20] [--tiny]
+
+One GEMM shape, out [M, 2048] = x [M, K] @ w [K, 2048] in bf16 with fp32 accumulation, run by:
+
+  cublas       `jnp.dot` (XLA's cuBLAS call): the rate a dense GEMM reaches under the same
+               power cap
+  jax_example  `jax.experimental.pallas.ops.gpu.hopper_matmul_mgpu` (JAX's persistent
+               warp-specialized Pallas matmul, 128 x 256 CTA tiles, 4 stages, 64 x 64 epilogue
+               tiles): the same kernel structure as ours (one pipeline per work item) without
+               groups
+  gmm E=1      our `mosaic_gpu.gmm` with a single group: the kernel's own cost without group
+               boundaries
+  gmm E=64     the same rows in 64 groups of Dirichlet(50) sizes (V2-Lite's routed experts at a
+               near-uniform load): the cost of the groups (partial row tiles, 64 weights)
+
+at V2-Lite's forward down GEMM (M 49152 = 4 x 2048 tokens x top-6, K 1408), then a K sweep at
+the same FLOPs (K 1024 to 8192, M shrinking): fewer and longer work items per CTA, which shows
+the share of the per-item cost (pipeline fill, epilogue). Each time is the median of --reps
+timings of --iters back-to-back calls; --rounds R interleaves the rows R times (the H200's power
+cap makes rounds differ by up to ~6 %). Outputs are checked against an fp32 `jnp.dot`
+(relative L2 error). `--tiny` runs small shapes in GPU interpret mode off a GPU (a smoke test,
+not a timing; the JAX example runs only on a GPU).
+"""
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
+from pallas_kernels._hopper import num_sms, on_hopper  # noqa: E402
+from pallas_kernels.moe import mosaic_gpu  # noqa: E402
+
+from moe import seconds  # noqa: E402 (benchmarks/moe.py: median of timed back-to-back calls)
+
+N = 2048
+PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16
+
+
+def jax_example(a, b):
+    """JAX's Hopper matmul example at its best tile for these shapes (128 x 256 CTA, 4 stages)."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+    from jax.experimental.pallas.ops.gpu import hopper_matmul_mgpu as hm
+    cfg = hm.TuningConfig(tile_m=128, tile_n=128, tile_k=64, max_concurrent_steps=4,
+                          grid_tile_width=4, wg_dimension=hm.MatmulDimension.N)
+    call = plgpu.kernel(
+        functools.partial(hm.kernel, config=cfg),
+        out_type=jax.ShapeDtypeStruct((a.shape[0], b.shape[1]), a.dtype), grid=(num_sms(),),
+        grid_names=("cluster_grid",), cluster=(1,), cluster_names=("cluster",), num_threads=3,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup))
+    return call(a, b, None)
+
+
+def rows_for(m, k, e, key):
+    """[(name, jitted fn, args)] for one shape; group sizes Dirichlet(50) for e > 1."""
+    ka, kb, kg = jax.random.split(key, 3)
+    a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+    b = (jax.random.normal(kb, (k, N), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
+    rows = [("cublas", jax.jit(jnp.dot), (a, b))]
+    if on_hopper():
+        rows.append(("jax_example", jax.jit(jax_example), (a, b)))
+    one = jnp.asarray([m], jnp.int32)
+    rows.append(("gmm E=1", jax.jit(lambda a, b: mosaic_gpu.gmm(a, b[None], one)), (a, b)))
+    if e > 1:
+        p = jax.random.dirichlet(kg, jnp.full((e,), 50.0))
+        gs = jnp.floor(p * m).astype(jnp.int32)
+        gs = gs.at[0].add(m - gs.sum())
+        w = jnp.broadcast_to(b, (e, k, N))  # same values in every group: same reference
+        rows.append((f"gmm E={e}", jax.jit(lambda a, w: mosaic_gpu.gmm(a, w, gs)), (a, w)))
+    return rows, (a, b)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--rounds", type=int, default=1)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tiny", action="store_true")
+    args = p.parse_args()
+    if args.tiny:
+        shapes, e, args.iters, args.reps = [(256, 128), (128, 256)], 4, 1, 1
+    else:
+        base = 49152 * 1408
+        shapes, e = [(49152, 1408)] + [(base // k // 256 * 256, k) for k in (1024, 2048, 4096, 8192)], 64
+    table = []
+    for i, (m, k) in enumerate(shapes):
+        rows, (a, b) = rows_for(m, k, e if i == 0 else 1, jax.random.key(i))
+        ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
+        errs = {}
+        for name, fn, fargs in rows:
+            out = fn(*fargs).astype(jnp.float32)
+            errs[name] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+        times = {name: [] for name, _, _ in rows}
+        for _ in range(max(args.rounds, 1)):
+            for name, fn, fargs in rows:
+                times[name].append(seconds(fn, fargs, args.iters, args.reps))
+        for name, _, _ in rows:
+            t = statistics.median(times[name])
+            tflops = 2 * m * k * N / t / 1e12
+            table.append((m, k, name, t * 1e3, tflops, errs[name]))
+            print(table[-1], flush=True)
+    print(f"\nout [M, {N}] = x [M, K] @ w [K, {N}], bf16; {jax.devices()[0].device_kind}, "
+          f"jax {jax.__version__}\n")
+    print("| M | K | impl | ms | TFLOP/s | % of 989 | rel. error |\n|---|---|---|---|---|---|---|")
+    for m, k, name, ms, tf, err in table:
+        print(f"| {m} | {k} | {name} | {ms:.3f} | {tf:.0f} | {100 * tf / PEAK_TFLOPS:.0f} % | {err:.1e} |")
+
+
+if __name__ == "__main__":
+    main()
