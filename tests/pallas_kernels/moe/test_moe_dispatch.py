@@ -1,6 +1,10 @@
 """Dropless MoE dispatch: reference vs a naive per-token formula, exact permute round trip,
-and the Mosaic GPU grouped GEMMs (GPU interpret mode on CPU) vs the fp32 reference,
-forward and gradients, on uniform, Zipf-skewed (empty experts) and all-on-one routing."""
+and the grouped-GEMM entry points (Mosaic GPU kernels in GPU interpret mode on CPU) vs the
+fp32 reference, gradients included, on uniform, Zipf-skewed (empty experts) and all-on-one
+routing. The kernels' own tests are in test_mosaic_gmm.py."""
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -10,16 +14,12 @@ import jax.numpy as jnp
 from pallas_kernels import _hopper
 from pallas_kernels.moe import (gate_up_swiglu, grouped_matmul, permute, sorted_weights, swiglu, unpermute,
                                 unpermute_sum)
-from pallas_kernels.moe import mosaic_gpu, mosaic_tgmm
-from pallas_kernels.moe.reference import (grouped_matmul_reference,
-                                          grouped_matmul_transposed_reference)
+from pallas_kernels.moe import mosaic_gpu
+from pallas_kernels.moe.reference import grouped_matmul_reference
 
-
-def rel_err(out, ref):
-    out = np.asarray(out, np.float64)
-    ref = np.asarray(ref, np.float64)
-    assert np.all(np.isfinite(out)), "non-finite output"
-    return float(np.linalg.norm(out - ref) / np.linalg.norm(ref))
+sys.path.insert(0, str(Path(__file__).parent))
+from moe_common import group_sizes_of, rel_err  # noqa: E402
+from moe_common import operands as _operands  # noqa: E402
 
 
 def routing(kind, t, k, e, seed):
@@ -36,25 +36,6 @@ def routing(kind, t, k, e, seed):
     p = p / p.sum()
     ids = np.stack([rng.choice(e, size=k, replace=False, p=p) for _ in range(t)])
     return jnp.asarray(ids, jnp.int32)
-
-
-def group_sizes_of(kind, m, e, seed):
-    """Group sizes [E] summing to at most m, of a given pattern (no routing needed)."""
-    rng = np.random.default_rng(seed)
-    if kind == "one":
-        gs = np.zeros(e, np.int64)
-        gs[e // 2] = m
-    elif kind == "zipf":
-        p = 1.0 / np.arange(1, e + 1) ** 1.5
-        rng.shuffle(p)
-        gs = rng.multinomial(m, p / p.sum())
-        gs[gs < m // (4 * e)] = 0  # a few empty experts
-    elif kind == "tail":  # rows past the sum must come out as zeros
-        gs = rng.multinomial(m - 37, np.ones(e) / e)
-        gs[1] = 0
-    else:
-        gs = rng.multinomial(m, np.ones(e) / e)
-    return jnp.asarray(gs, jnp.int32)
 
 
 def naive_moe(x, w_up, w_down, ids, p):
@@ -185,101 +166,8 @@ def test_impl_validation():
     np.testing.assert_allclose(out, 2.0)
 
 
-def test_row_tile_table_covers_every_row_once():
-    m, tm, e = 1000, 128, 16
-    for kind in ("zipf", "one", "tail", "uniform"):
-        gs = group_sizes_of(kind, m, e, seed=5)
-        table = np.asarray(mosaic_gpu.row_tile_table(gs, m, tm))
-        owner = np.full(m, -1)
-        for g, row0, lo, hi in table.T:
-            if hi == lo:
-                continue
-            assert row0 % 8 == 0 and 0 <= lo < hi <= tm and row0 + tm <= m
-            rows = np.arange(row0 + lo, row0 + hi)
-            assert np.all(owner[rows] == -1)
-            owner[rows] = g
-        ends = np.cumsum(np.asarray(gs))
-        np.testing.assert_array_equal(owner, np.searchsorted(ends, np.arange(m), side="right"))
-        # a group of s rows takes at most cdiv(s + 7, tm) tiles
-        sizes = np.append(np.asarray(gs), m - np.asarray(gs).sum())
-        used = np.bincount(table[0][table[3] > table[2]], minlength=e + 1)
-        assert np.all(used <= -(-(sizes + 7) // tm))
-
-
-# --- Mosaic GPU kernels in GPU interpret mode (bf16 operands, fp32 reference on the same values)
-
-def _operands(m, kd, n, e, seed):
-    k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
-    x = jax.random.normal(k1, (m, kd)).astype(jnp.bfloat16)
-    w = (jax.random.normal(k2, (e, kd, n)) / 8).astype(jnp.bfloat16)
-    dy = jax.random.normal(k3, (m, n)).astype(jnp.bfloat16)
-    return x, w, dy
-
-
-# configs: the default (columns split between warpgroups; dx with rows split,
-# TRANSPOSED_CONFIG) and the forward with rows split between warpgroups (half-tile wgmma
-# skipping; its fused SwiGLU interleaves in blocks of 128); "tail" has m = 379 (not a multiple
-# of 8: padded inside gmm)
-M_CONFIG = mosaic_gpu.TileConfig(wg_split="m")
-
-
-@pytest.mark.parametrize("kind,e,config", [("zipf", 8, None), ("one", 4, None), ("tail", 6, None),
-                                           ("zipf", 5, M_CONFIG)])
-def test_mosaic_gmm_forward_and_kernels(kind, e, config):
-    m, kd, n = (379 if kind == "tail" else 384), 128, 256
-    x, w, dy = _operands(m, kd, n, e, seed=e)
-    gs = group_sizes_of(kind, m, e, seed=e)
-    f32 = lambda a: a.astype(jnp.float32)
-
-    out = mosaic_gpu.gmm(x, w, gs, out_dtype=jnp.float32, config=config)
-    ref = grouped_matmul_reference(f32(x), f32(w), gs)
-    assert out.shape == (m, n)
-    assert rel_err(out, ref) < 1e-5
-    if kind == "tail":
-        assert np.all(np.asarray(out)[int(gs.sum()):] == 0)
-    if config is M_CONFIG:  # its fused SwiGLU epilogue (interleave block 128), forward only
-        w_il = mosaic_gpu.interleave_gate_up(w, block=mosaic_gpu.swiglu_block(config))
-        act = mosaic_gpu.gmm(x, w_il, gs, epilogue="swiglu", config=config)
-        gate, up = mosaic_gpu.deinterleave_gate_up(
-            grouped_matmul_reference(f32(x), f32(w_il), gs), block=128)
-        assert act.shape == (m, n // 2) and rel_err(act, jax.nn.silu(gate) * up) < 1e-2
-    if config is not None:
-        return  # the dx / dw kernels below do not depend on these options
-
-    dx = mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True, out_dtype=jnp.float32)
-    dx_ref = grouped_matmul_reference(f32(dy), jnp.swapaxes(f32(w), 1, 2), gs)
-    assert rel_err(dx, dx_ref) < 1e-5
-
-    dw = mosaic_tgmm.tgmm(x, dy, gs, out_dtype=jnp.float32)
-    dw_ref = grouped_matmul_transposed_reference(f32(x), f32(dy), gs)
-    assert rel_err(dw, dw_ref) < 1e-5
-    empty = np.asarray(gs) == 0
-    assert np.all(np.asarray(dw)[empty] == 0)
-
-
-@pytest.mark.parametrize("kind,config,transpose", [("zipf", None, False), ("tail", None, False),
-                                                   ("zipf", M_CONFIG, False), ("one", None, True)])
-def test_mosaic_gmm_extra_contraction(kind, config, transpose):
-    """gmm(extra=(t, b)): x @ w[g] + t @ b[g] in one accumulator (b^T with transposed weights),
-    both warpgroup splits, 379 rows (padded inside), an empty group."""
-    m, kd, n, e, r = (379 if kind == "tail" else 384), 128, 256, 5, 64
-    k = jax.random.split(jax.random.key(e), 4)
-    x = jax.random.normal(k[0], (m, kd)).astype(jnp.bfloat16)
-    w = (jax.random.normal(k[1], (e, n, kd) if transpose else (e, kd, n)) / 8).astype(jnp.bfloat16)
-    t = jax.random.normal(k[2], (m, r)).astype(jnp.bfloat16)
-    b = (jax.random.normal(k[3], (e, n, r) if transpose else (e, r, n)) / 8).astype(jnp.bfloat16)
-    gs = group_sizes_of(kind, m, e, seed=e)
-    f32 = lambda a: a.astype(jnp.float32)
-    orient = (lambda a: jnp.swapaxes(f32(a), 1, 2)) if transpose else f32
-    out = mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose, out_dtype=jnp.float32, config=config,
-                         extra=(t, b))
-    ref = grouped_matmul_reference(f32(x), orient(w), gs) + grouped_matmul_reference(f32(t), orient(b), gs)
-    assert out.shape == (m, n) and rel_err(out, ref) < 1e-5
-    if kind == "tail":
-        assert np.all(np.asarray(out)[int(gs.sum()):] == 0)
-    with pytest.raises(ValueError, match="extra"):
-        mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose, extra=(t[:, :48], b))
-
+# --- the grouped-GEMM entry points through the Mosaic GPU kernels in GPU interpret mode
+# (bf16 operands, fp32 reference on the same values)
 
 def test_grouped_matmul_extra_gradients():
     """grouped_matmul(extra=(t, b)) through jax.grad, kernels (interpret mode) and reference:
@@ -535,91 +423,6 @@ def test_scatter_rows_no_races(kernel_races):
                                 interpret=_hopper.interpret_params(detect_races=True))
     np.testing.assert_array_equal(np.asarray(out), np.asarray(x)[np.asarray(perm) // k])
     assert kernel_races == [False]
-
-
-@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
-def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
-    """GPU interpret mode with race detection, one launch each: the forward GEMM in both
-    warpgroup splits, with the SwiGLU epilogue, transposed weights (dx), a group offset into a
-    stack, the weight-gradient GEMM, and the extra contraction (forward and transposed); a
-    136-row x with an empty group and rows past the sum."""
-    monkeypatch.setattr(mosaic_gpu, "default_interpret",
-                        lambda: _hopper.interpret_params(detect_races=True))
-    gmm, tgmm = mosaic_gpu.gmm.__wrapped__, mosaic_tgmm.tgmm.__wrapped__  # traced afresh
-    m, kd, n, e = 136, 128, 256, 3
-    x, w, dy = _operands(m, kd, n, e, seed=8)
-    gs = jnp.asarray([70, 0, 50], jnp.int32)
-    outs = [gmm(x, w, gs), gmm(x, w, gs, config=M_CONFIG), gmm(x, w, gs, epilogue="swiglu"),
-            gmm(dy, w, gs, transpose_rhs=True),
-            gmm(x, jnp.concatenate([w, w]), gs, group_offset=jnp.asarray(e, jnp.int32)),
-            tgmm(x, dy, gs),
-            gmm(x, w, gs, extra=(x[:, :64], w[:, :64])),
-            gmm(dy, w, gs, transpose_rhs=True, extra=(dy[:, :128], w[:, :, :128]))]
-    jax.block_until_ready(outs)
-    assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
-    np.testing.assert_array_equal(np.asarray(outs[4], np.float32), np.asarray(outs[0], np.float32))
-
-
-def test_mosaic_gmm_chained_work_items():
-    """Work items chained as one pipeline of pipelines (every CTA runs two or more; interpret
-    mode has 2 CTAs): whole rounds of k steps (plain, dx), and padded ones (6 k steps into 4
-    slots) with the extra contraction and the SwiGLU epilogue; ragged groups, an empty one and
-    rows past the sum. Against the fp32 reference."""
-    m, n, e = 520, 256, 4
-    gs = jnp.asarray([130, 0, 250, 100], jnp.int32)
-    f32 = lambda a: a.astype(jnp.float32)
-    x, w, dy = _operands(m, 256, n, e, seed=21)
-    out = mosaic_gpu.gmm(x, w, gs)  # bf16 out: 4 slots, 4 k steps (fp32 staging leaves 3)
-    assert rel_err(out, grouped_matmul_reference(f32(x), f32(w), gs)) < 1e-2
-    assert np.all(np.asarray(out, np.float32)[int(gs.sum()):] == 0)
-    dx = mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True)
-    assert rel_err(dx, grouped_matmul_reference(f32(dy), jnp.swapaxes(f32(w), 1, 2), gs)) < 1e-2
-    x, w, _ = _operands(m, 384, n, e, seed=22)
-    t, b = x[:, :64], w[:, :64]
-    out = mosaic_gpu.gmm(x, w, gs, out_dtype=jnp.float32, extra=(t, b))
-    ref = grouped_matmul_reference(f32(x), f32(w), gs) + grouped_matmul_reference(f32(t), f32(b), gs)
-    assert rel_err(out, ref) < 1e-5
-    act = mosaic_gpu.gmm(x, w, gs, epilogue="swiglu")
-    gate, up = mosaic_gpu.deinterleave_gate_up(grouped_matmul_reference(f32(x), f32(w), gs))
-    assert act.shape == (m, n // 2) and rel_err(act, jax.nn.silu(gate) * up) < 1e-2
-
-
-@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
-def test_chained_work_items_no_races(kernel_races, monkeypatch):
-    """GPU interpret mode with race detection: work items chained as one pipeline of
-    pipelines, whole rounds (plain) and padded (extra contraction), ragged groups."""
-    monkeypatch.setattr(mosaic_gpu, "default_interpret",
-                        lambda: _hopper.interpret_params(detect_races=True))
-    gmm = mosaic_gpu.gmm.__wrapped__
-    m, n, e = 512, 256, 3
-    gs = jnp.asarray([200, 0, 260], jnp.int32)
-    x, w, _ = _operands(m, 256, n, e, seed=23)
-    x3, w3, _ = _operands(m, 384, n, e, seed=24)
-    outs = [gmm(x, w, gs), gmm(x3, w3, gs, extra=(x3[:, :64], w3[:, :64]))]
-    jax.block_until_ready(outs)
-    assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
-    ref = grouped_matmul_reference(x, w, gs, preferred_element_type=jnp.float32)
-    np.testing.assert_allclose(np.asarray(outs[0], np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
-
-
-@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
-def test_whole_and_partial_tiles_store_through_both_stagings(kernel_races, monkeypatch):
-    """A group that fills whole row tiles (stored from the swizzled staging) beside partial
-    tiles (row-major staging, one TMA box per set bit of the row count), in both warpgroup
-    splits and for dx: the reference's values, and no races between the two views."""
-    monkeypatch.setattr(mosaic_gpu, "default_interpret",
-                        lambda: _hopper.interpret_params(detect_races=True))
-    gmm = mosaic_gpu.gmm.__wrapped__
-    m, kd, n, e = 264, 128, 256, 3
-    x, w, dy = _operands(m, kd, n, e, seed=12)
-    gs = jnp.asarray([256, 0, 5], jnp.int32)     # tiles 0-1 whole, then 5 rows and rows past the sum
-    outs = [gmm(x, w, gs), gmm(x, w, gs, config=M_CONFIG), gmm(dy, w, gs, transpose_rhs=True)]
-    jax.block_until_ready(outs)
-    assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
-    wt = jnp.swapaxes(w, 1, 2)
-    for out, (a, b) in zip(outs, [(x, w), (x, w), (dy, wt)]):
-        ref = grouped_matmul_reference(a, b, gs, preferred_element_type=jnp.float32)
-        np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(ref), rtol=2e-2, atol=2e-2)
 
 
 def test_unpermute_sum_gradient_through_the_row_kernel(monkeypatch):
