@@ -62,7 +62,9 @@ any of these rows, e.g. dsjax_all_dots:
 Columns: step ms (mean of --steps after --warmup untimed steps; dsjax's first step is also its
 compile), tokens/s (B x T / step), peak GB (dsjax: the allocator's `peak_bytes_in_use` over the
 whole process; HF: `torch.cuda.max_memory_allocated`, also whole process), trainable params, and
-tokens/s and peak memory as ratios to hf_peft. A row that fails (out of memory, an error) is a
+tokens/s and peak memory as ratios to hf_peft; each row's line under the table ends with its
+median SM clock and power over the timed steps and its energy per step (`gpu_power.py`, NVML):
+whether it ran at the GPU's power cap. A row that fails (out of memory, an error) is a
 table row with its error; rows not started within --time-budget seconds are reported skipped,
 and a row still running at --time-budget + 60 s is killed.
 
@@ -93,6 +95,7 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_power import PowerSampler, describe  # noqa: E402
 from train_step import V2_LITE, format_parts, random_batch, time_steps, traced_parts  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -187,7 +190,7 @@ def run_dsjax(args, row: str) -> dict:
     state, m = compiled(state, batch)
     first_loss = float(m["loss"])
     say(f"[{row}] first step loss {first_loss:.4f}")
-    state, m, dt = time_steps(compiled, state, batch, args.warmup - 1, args.steps)
+    state, m, dt, gpu = time_steps(compiled, state, batch, args.warmup - 1, args.steps)
     stats = jax.devices()[0].memory_stats() or {}
     loss = float(m["loss"])
     parts = {}
@@ -196,7 +199,7 @@ def run_dsjax(args, row: str) -> dict:
     return {**parts, "row": row, "step_ms": dt * 1e3, "tokens_per_s": B * T / dt,
             "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None, "step_gb": step_gb,
             "trainable": n_train, "frozen": n_frozen, "compile_s": compile_s, "first_loss": first_loss,
-            "loss": loss, "targets": targets + extra,
+            "loss": loss, "targets": targets + extra, "gpu": gpu,
             "dtypes": "frozen bf16, adapters fp32 master + fp32 Adam, bf16 compute"}
 
 
@@ -275,15 +278,16 @@ def run_hf(args, row: str) -> dict:
     for _ in range(args.warmup - 1):
         step()
     sync()
-    t0 = time.perf_counter()
-    for _ in range(args.steps):
-        loss = step()
-    sync()
-    dt = (time.perf_counter() - t0) / args.steps
+    with PowerSampler() as ps:
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            loss = step()
+        sync()
+        dt = (time.perf_counter() - t0) / args.steps
     peak = torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None
     return {"row": row, "step_ms": dt * 1e3, "tokens_per_s": B * T / dt, "peak_gb": peak,
             "trainable": n_train, "first_loss": first_loss, "loss": loss.item(), "targets": targets,
-            "peft_wrapped": wrapped, "peft_routed_experts": routed,
+            "peft_wrapped": wrapped, "peft_routed_experts": routed, "gpu": ps.summary(),
             "versions": {"transformers": transformers.__version__, "peft": peft.__version__,
                          "torch": torch.__version__},
             "attention": model.config._attn_implementation,
@@ -361,7 +365,7 @@ def table(args, results: list[dict]) -> str:
             line += (f"; PEFT wrapped {', '.join(f'{k} x{v}' for k, v in r['peft_wrapped'].items())}; routed experts "
                      f"{'wrapped' if r['peft_routed_experts'] else 'NOT reached'}; attention "
                      f"{r['attention']}; " + ", ".join(f"{k} {v}" for k, v in r["versions"].items()))
-        out.append(line)
+        out.append(line + f"; {describe(r.get('gpu'), args.steps)}")
     return "\n".join(out)
 
 

@@ -19,7 +19,9 @@ sharded, step jitted with donated state). Columns: step time, tokens/s, model TF
 against 989 TFLOP/s dense bf16), peak device memory (dsjax: the allocator's
 `peak_bytes_in_use`; HF: `torch.cuda.max_memory_allocated`), and the ratio to the torch.compile
 peer. `--profile DIR` traces three more dsjax steps and prints each row's device time per part
-of the step (attention, experts, dense GEMMs, lm_head + loss, optimizer, ...).
+of the step (attention, experts, dense GEMMs, lm_head + loss, optimizer, ...). Under the table,
+each row's median SM clock and power over its timed steps and its energy per step
+(`gpu_power.py`, read through NVML): whether the row ran at the GPU's power cap.
 """
 from __future__ import annotations
 
@@ -32,6 +34,9 @@ import subprocess
 import sys
 import time
 import traceback
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_power import PowerSampler, describe  # noqa: E402
 
 V2_LITE = ["model.vocab_size=102400", "model.hidden_size=2048", "model.num_attention_heads=16",
            "model.q_lora_rank=null", "model.kv_lora_rank=512", "model.qk_nope_head_dim=128",
@@ -65,16 +70,20 @@ def random_batch(vocab: int, B: int, T: int) -> dict:
 
 def time_steps(compiled, state, batch, warmup: int, steps: int):
     """`warmup` untimed steps, then the mean wall time of `steps` steps (seconds; dispatch is
-    asynchronous, so only the end is synchronised). Returns (state, last metrics, seconds)."""
+    asynchronous, so only the end is synchronised), with the GPU's clock, power and energy over
+    those steps (`gpu_power.PowerSampler.summary()`, None off a GPU). Returns (state, last
+    metrics, seconds, power summary)."""
     import jax
     for _ in range(warmup):
         state, _ = compiled(state, batch)
     jax.block_until_ready(state)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        state, m = compiled(state, batch)
-    jax.block_until_ready(m["loss"])
-    return state, m, (time.perf_counter() - t0) / steps
+    with PowerSampler() as ps:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            state, m = compiled(state, batch)
+        jax.block_until_ready(m["loss"])
+        dt = (time.perf_counter() - t0) / steps
+    return state, m, dt, ps.summary()
 
 
 # -- dsjax -----------------------------------------------------------------------------------
@@ -105,12 +114,12 @@ def run_dsjax(args, row: str) -> dict:
     compile_s = time.perf_counter() - t0
     state, m = compiled(state, batch)
     first_loss = float(m["loss"])
-    state, m, dt = time_steps(compiled, state, batch, 2, args.steps)
+    state, m, dt, gpu = time_steps(compiled, state, batch, 2, args.steps)
     stats = jax.devices()[0].memory_stats() or {}
     out = {"row": f"dsjax {row}", "devices": n_dev, "step_ms": dt * 1e3,
            "tokens_per_s": B * T / dt / n_dev, "flops_per_token": flops_per_token(cfg.model, T),
            "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None, "compile_s": compile_s,
-           "first_loss": first_loss, "loss": float(m["loss"])}
+           "first_loss": first_loss, "loss": float(m["loss"]), "gpu": gpu}
     if "expert_load_max_over_mean" in m:  # per MoE layer: the busiest expert's rows / the mean
         out["expert_load_max_over_mean"] = [round(float(x), 2) for x in m["expert_load_max_over_mean"]]
     if args.profile:
@@ -285,11 +294,15 @@ def step():
 if compile_:
     step = torch.compile(step)
 for _ in range(3): step()
-torch.cuda.synchronize(); t0 = time.perf_counter()
-for _ in range(steps): l = step()
-torch.cuda.synchronize(); dt = (time.perf_counter() - t0) / steps
+sys.path.insert(0, sys.argv[6])
+from gpu_power import PowerSampler
+torch.cuda.synchronize()
+with PowerSampler() as ps:
+    t0 = time.perf_counter()
+    for _ in range(steps): l = step()
+    torch.cuda.synchronize(); dt = (time.perf_counter() - t0) / steps
 print(json.dumps({"step_ms": dt * 1e3, "tokens_per_s": B * T / dt, "devices": 1, "loss": float(l),
-                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9}))
+                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "gpu": ps.summary()}))
 """
 
 
@@ -297,7 +310,8 @@ def run_hf(args, peer: str) -> dict:
     compile_, label = HF_ROWS[peer]
     try:
         r = subprocess.run([sys.executable, "-c", HF_SCRIPT, str(args.layers), str(args.batch), str(args.seq),
-                            str(args.steps), "1" if compile_ else "0"], capture_output=True, text=True, timeout=1200)
+                            str(args.steps), "1" if compile_ else "0", os.path.dirname(os.path.abspath(__file__))],
+                           capture_output=True, text=True, timeout=1200)
     except subprocess.TimeoutExpired:
         return {"row": label, "error": "timed out"}
     if r.returncode != 0:
@@ -381,6 +395,9 @@ def main() -> None:
         peak = f"{r['peak_gb']:.1f}" if r.get("peak_gb") else "-"
         print(f"{r['row']:<46} {r['step_ms']:>8.1f} {r['tokens_per_s']:>9,.0f} {tf:>8.0f} "
               f"{tf / PEAK_TFLOPS:>6.1%} {peak:>8} {vs:>10}")
+    for r in results:
+        if "error" not in r:
+            print(f"  {r['row']}: {describe(r.get('gpu'), args.steps)}")
     for r in results:
         if "parts_ms" in r:
             print(format_parts(r["row"], r["parts_ms"], r.get("step_ms_no_command_buffers")))
