@@ -1,6 +1,6 @@
 """What bounds the expert grouped GEMM: ours against cuBLAS and JAX's Hopper matmul example.
 
-    python benchmarks/gemm_bound.py [--rounds 1] [--iters 20] [--tiny]
+    python benchmarks/gemm_bound.py [--rounds 1] [--iters 20] [--sustain S] [--tiny]
 
 One GEMM shape, out [M, 2048] = x [M, K] @ w [K, 2048] in bf16 with fp32 accumulation, run by:
 
@@ -20,7 +20,10 @@ the same FLOPs (K 1024 to 8192, M shrinking): fewer and longer work items per CT
 the share of the per-item cost (pipeline fill, epilogue). Each time is the median of --reps
 timings of --iters back-to-back calls; --rounds R interleaves the rows R times (the H200's power
 cap makes rounds differ by up to ~6 %). Outputs are checked against an fp32 `jnp.dot`
-(relative L2 error). `--tiny` runs small shapes in GPU interpret mode off a GPU (a smoke test,
+(relative L2 error). `--sustain S` times every row instead by calling it back to back for S
+seconds (1.5 is enough), so that the GPU runs at its power cap as a training step does, and adds
+the energy per call and the median SM clock (`gpu_power.py`, NVML): under the cap a kernel's time
+follows its energy, and a burst timing can rank two kernels the other way. `--tiny` runs small shapes in GPU interpret mode off a GPU (a smoke test,
 not a timing; the JAX example runs only on a GPU).
 """
 from __future__ import annotations
@@ -37,6 +40,7 @@ sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from pallas_kernels._hopper import num_sms, on_hopper  # noqa: E402
 from pallas_kernels.moe import mosaic_gpu  # noqa: E402
 
+from gpu_power import sustained  # noqa: E402 (benchmarks/gpu_power.py: timing at the power cap)
 from moe import seconds  # noqa: E402 (benchmarks/moe.py: median of timed back-to-back calls)
 
 N = 2048
@@ -82,6 +86,8 @@ def main():
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--sustain", type=float, default=0.0, metavar="S",
+                   help="time each row over S seconds of back-to-back calls (at the power cap), with energy")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
     if args.tiny:
@@ -98,19 +104,33 @@ def main():
             out = fn(*fargs).astype(jnp.float32)
             errs[name] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
         times = {name: [] for name, _, _ in rows}
+        power = {name: [] for name, _, _ in rows}
         for _ in range(max(args.rounds, 1)):
             for name, fn, fargs in rows:
-                times[name].append(seconds(fn, fargs, args.iters, args.reps))
+                if args.sustain:
+                    t, joules, s = sustained(fn, fargs, args.sustain, jax.block_until_ready)
+                    times[name].append(t)
+                    power[name].append((joules, s["sm_mhz"] if s else None))
+                else:
+                    times[name].append(seconds(fn, fargs, args.iters, args.reps))
         for name, _, _ in rows:
             t = statistics.median(times[name])
             tflops = 2 * m * k * N / t / 1e12
-            table.append((m, k, name, t * 1e3, tflops, errs[name]))
+            mj = [j * 1e3 for j, _ in power[name] if j is not None]
+            mhz = [c for _, c in power[name] if c is not None]
+            table.append((m, k, name, t * 1e3, tflops, errs[name],
+                          statistics.median(mj) if mj else None, statistics.median(mhz) if mhz else None))
             print(table[-1], flush=True)
     print(f"\nout [M, {N}] = x [M, K] @ w [K, {N}], bf16; {jax.devices()[0].device_kind}, "
           f"jax {jax.__version__}\n")
-    print("| M | K | impl | ms | TFLOP/s | % of 989 | rel. error |\n|---|---|---|---|---|---|---|")
-    for m, k, name, ms, tf, err in table:
-        print(f"| {m} | {k} | {name} | {ms:.3f} | {tf:.0f} | {100 * tf / PEAK_TFLOPS:.0f} % | {err:.1e} |")
+    timing = (f"{args.sustain:g} s of back-to-back calls per row (at the power cap)" if args.sustain
+              else f"median of {args.reps} x {args.iters} calls (bursts)")
+    print(f"times: {timing}, median over {max(args.rounds, 1)} round(s)\n")
+    print("| M | K | impl | ms | TFLOP/s | % of 989 | rel. error | mJ/call | SM MHz |\n"
+          "|---|---|---|---|---|---|---|---|---|")
+    for m, k, name, ms, tf, err, mj, mhz in table:
+        print(f"| {m} | {k} | {name} | {ms:.3f} | {tf:.0f} | {100 * tf / PEAK_TFLOPS:.0f} % | {err:.1e} | "
+              f"{'-' if mj is None else f'{mj:.0f}'} | {'-' if mhz is None else f'{mhz:.0f}'} |")
 
 
 if __name__ == "__main__":

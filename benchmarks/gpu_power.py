@@ -120,3 +120,29 @@ def describe(s: dict | None, per: int = 1, unit: str = "step") -> str:
     if s["energy_j"] is not None and per:
         out += f", {s['energy_j'] / per:.1f} J per {unit}"
     return out + f" (median of {s['samples']} samples)"
+
+
+def sustained(fn, args, seconds: float, sync):
+    """Time `fn(*args)` called back to back for about `seconds`, long enough for the GPU to reach
+    its power cap (a burst of a few ms stays at the full clock).
+
+    sync(out) waits for the device (e.g. `jax.block_until_ready`). One untimed call, then a
+    ~50 ms loop sizes the timed loop. Returns (seconds per call, joules per call or None
+    without NVML, the `PowerSampler.summary()` of the timed loop)."""
+    out = fn(*args)
+    sync(out)
+    t0, n = time.perf_counter(), 0
+    while time.perf_counter() - t0 < 0.05:
+        out = fn(*args)
+        n += 1
+    sync(out)
+    iters = max(1, int(seconds / ((time.perf_counter() - t0) / n)))
+    with PowerSampler() as ps:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*args)
+        sync(out)
+        per_call = (time.perf_counter() - t0) / iters
+    s = ps.summary()
+    joules = s["energy_j"] / iters if s and s["energy_j"] is not None else None
+    return per_call, joules, s
