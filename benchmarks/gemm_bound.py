@@ -1,6 +1,6 @@
 """What bounds the expert grouped GEMM: ours against cuBLAS and JAX's Hopper matmul example.
 
-    python benchmarks/gemm_bound.py [--rounds 1] [--iters 20] [--sustain S] [--tiny]
+    python benchmarks/gemm_bound.py [--rounds 1] [--iters 20] [--sustain S] [--extra R,...] [--tiny]
 
 One GEMM shape, out [M, 2048] = x [M, K] @ w [K, 2048] in bf16 with fp32 accumulation, run by:
 
@@ -14,6 +14,10 @@ One GEMM shape, out [M, 2048] = x [M, K] @ w [K, 2048] in bf16 with fp32 accumul
                boundaries
   gmm E=64     the same rows in 64 groups of Dirichlet(50) sizes (V2-Lite's routed experts at a
                near-uniform load): the cost of the groups (partial row tiles, 64 weights)
+  gmm E=64 +extra R   (--extra) the same with a LoRA adapter's second factor t [M, R] @ b[g]
+               [R, 2048] as one more contraction into the accumulator: the form of the LoRA
+               step's expert GEMMs, R the adapter rank padded to the kernel's extra step (its
+               TFLOP/s counts x @ w only; a width the kernel refuses prints its error)
 
 at V2-Lite's forward down GEMM (M 49152 = 4 x 2048 tokens x top-6, K 1408), then a K sweep at
 the same FLOPs (K 1024 to 8192, M shrinking): fewer and longer work items per CTA, which shows
@@ -39,6 +43,7 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from pallas_kernels._hopper import num_sms, on_hopper  # noqa: E402
 from pallas_kernels.moe import mosaic_gpu  # noqa: E402
+from pallas_kernels.moe.reference import grouped_matmul_reference  # noqa: E402
 
 from gpu_power import sustained  # noqa: E402 (benchmarks/gpu_power.py: timing at the power cap)
 from moe import seconds  # noqa: E402 (benchmarks/moe.py: median of timed back-to-back calls)
@@ -62,15 +67,16 @@ def jax_example(a, b):
     return call(a, b, None)
 
 
-def rows_for(m, k, e, key):
-    """[(name, jitted fn, args)] for one shape; group sizes Dirichlet(50) for e > 1."""
+def rows_for(m, k, e, key, extra=()):
+    """[(name, jitted fn, args)] for one shape; group sizes Dirichlet(50) for e > 1, and with
+    e > 1 one row per width in `extra` with a LoRA extra contraction of that width."""
     ka, kb, kg = jax.random.split(key, 3)
     a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
     b = (jax.random.normal(kb, (k, N), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
     rows = [("cublas", jax.jit(jnp.dot), (a, b))]
     if on_hopper():
         rows.append(("jax_example", jax.jit(jax_example), (a, b)))
-    one = jnp.asarray([m], jnp.int32)
+    one, gs = jnp.asarray([m], jnp.int32), None
     rows.append(("gmm E=1", jax.jit(lambda a, b: mosaic_gpu.gmm(a, b[None], one)), (a, b)))
     if e > 1:
         p = jax.random.dirichlet(kg, jnp.full((e,), 50.0))
@@ -78,7 +84,13 @@ def rows_for(m, k, e, key):
         gs = gs.at[0].add(m - gs.sum())
         w = jnp.broadcast_to(b, (e, k, N))  # same values in every group: same reference
         rows.append((f"gmm E={e}", jax.jit(lambda a, w: mosaic_gpu.gmm(a, w, gs)), (a, w)))
-    return rows, (a, b)
+        for r in extra:  # the LoRA step's form: the adapter's t @ b[g] as one more contraction
+            kt, kb2 = jax.random.split(jax.random.fold_in(key, r))
+            t = jax.random.normal(kt, (m, r), jnp.float32).astype(jnp.bfloat16)
+            bx = (jax.random.normal(kb2, (e, r, N), jnp.float32) / 8).astype(jnp.bfloat16)
+            rows.append((f"gmm E={e} +extra {r}",
+                         jax.jit(lambda a, w, t, bx: mosaic_gpu.gmm(a, w, gs, extra=(t, bx))), (a, w, t, bx)))
+    return rows, (a, b), gs
 
 
 def main():
@@ -88,8 +100,11 @@ def main():
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--sustain", type=float, default=0.0, metavar="S",
                    help="time each row over S seconds of back-to-back calls (at the power cap), with energy")
+    p.add_argument("--extra", default="", metavar="R,...",
+                   help="rows of the 64-group GEMM with a LoRA extra contraction of these widths (e.g. 16,64)")
     p.add_argument("--tiny", action="store_true")
     args = p.parse_args()
+    extras = [int(r) for r in args.extra.split(",") if r]
     if args.tiny:
         shapes, e, args.iters, args.reps = [(256, 128), (128, 256)], 4, 1, 1
     else:
@@ -97,12 +112,22 @@ def main():
         shapes, e = [(49152, 1408)] + [(base // k // 256 * 256, k) for k in (1024, 2048, 4096, 8192)], 64
     table = []
     for i, (m, k) in enumerate(shapes):
-        rows, (a, b) = rows_for(m, k, e if i == 0 else 1, jax.random.key(i))
+        rows, (a, b), gs = rows_for(m, k, e if i == 0 else 1, jax.random.key(i), extras if i == 0 else ())
         ref = jnp.dot(a.astype(jnp.float32), b.astype(jnp.float32))
-        errs = {}
+        errs, kept = {}, []
         for name, fn, fargs in rows:
-            out = fn(*fargs).astype(jnp.float32)
-            errs[name] = float(jnp.linalg.norm(out - ref) / jnp.linalg.norm(ref))
+            try:
+                out = fn(*fargs).astype(jnp.float32)
+            except ValueError as err:  # e.g. an extra width this kernel does not take
+                print(f"{name}: {str(err).splitlines()[0][:160]}", flush=True)
+                continue
+            want = ref
+            if len(fargs) == 4:  # + t @ b (every group's b differs: its own reference)
+                want = ref + grouped_matmul_reference(fargs[2].astype(jnp.float32),
+                                                      fargs[3].astype(jnp.float32), gs)
+            errs[name] = float(jnp.linalg.norm(out - want) / jnp.linalg.norm(want))
+            kept.append((name, fn, fargs))
+        rows = kept
         times = {name: [] for name, _, _ in rows}
         power = {name: [] for name, _, _ in rows}
         for _ in range(max(args.rounds, 1)):
