@@ -110,15 +110,15 @@ class PowerSampler:
                 "seconds": self._time[1] - self._time[0], "samples": len(self._clocks)}
 
 
-def describe(s: dict | None, per: int = 1, unit: str = "step") -> str:
-    """One line of a `summary()`: clock, power, and energy per `per` units (e.g. steps)."""
+def describe(s: dict | None, steps: int = 1) -> str:
+    """One line of a `summary()`: clock, power, and energy per step over `steps` steps."""
     if not s:
         return "GPU clock and power: not read (no NVML)"
     out = f"SM clock {s['sm_mhz']:.0f} of {s['sm_mhz_max'] or 0:.0f} MHz"
     if s["power_w"] is not None:
         out += f", {s['power_w']:.0f} W" + (f" of {s['power_limit_w']:.0f} W" if s["power_limit_w"] else "")
-    if s["energy_j"] is not None and per:
-        out += f", {s['energy_j'] / per:.1f} J per {unit}"
+    if s["energy_j"] is not None and steps:
+        out += f", {s['energy_j'] / steps:.1f} J per step"
     return out + f" (median of {s['samples']} samples)"
 
 

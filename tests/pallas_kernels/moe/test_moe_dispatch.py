@@ -18,8 +18,7 @@ from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_common import group_sizes_of, rel_err  # noqa: E402
-from moe_common import operands as _operands  # noqa: E402
+from moe_common import group_sizes_of, operands, rel_err  # noqa: E402
 
 
 def routing(kind, t, k, e, seed):
@@ -175,7 +174,7 @@ def test_grouped_matmul_extra_gradients():
     x @ w + t @ b written out, bf16 against the fp32 reference; likewise extra=(t, b, a), whose
     dx GEMM also carries the x @ a path's gradient."""
     m, kd, n, e, r = 200, 128, 256, 4, 64
-    x, w, dy = _operands(m, kd, n, e, seed=12)
+    x, w, dy = operands(m, kd, n, e, seed=12)
     k = jax.random.split(jax.random.key(13), 2)
     t = jax.random.normal(k[0], (m, r)).astype(jnp.bfloat16)
     b = (jax.random.normal(k[1], (e, r, n)) / 8).astype(jnp.bfloat16)
@@ -232,7 +231,7 @@ def test_grouped_matmul_extra_gradients():
 def test_mosaic_grouped_matmul_custom_vjp_bf16():
     """impl='pallas' end to end through jax.grad: bf16 outputs and gradients vs fp32 reference."""
     m, kd, n, e = 128, 128, 128, 5
-    x, w, dy = _operands(m, kd, n, e, seed=11)
+    x, w, dy = operands(m, kd, n, e, seed=11)
     gs = group_sizes_of("zipf", m, e, seed=11)
     f32 = lambda a: a.astype(jnp.float32)
     out, vjp = jax.vjp(lambda x, w: grouped_matmul(x, w, gs, impl="pallas"), x, w)
@@ -250,7 +249,7 @@ def test_grouped_matmul_gradients_only_where_needed():
     barrier; weights alone: the same dw; both: dw tied to dx by one optimization barrier (so
     XLA computes it in the layer's backward, not at the end) when dw is small beside x and dy
     (an adapter factor), not when it is as large (a base expert weight)."""
-    x, w, dy = (a.astype(jnp.float32) for a in _operands(400, 64, 48, 4, seed=3))
+    x, w, dy = (a.astype(jnp.float32) for a in operands(400, 64, 48, 4, seed=3))
     gs = group_sizes_of("zipf", 400, 4, seed=3)
     loss = lambda x, w: jnp.vdot(grouped_matmul(x, w, gs, impl="reference"), dy)
     gx, gw = jax.grad(loss, argnums=(0, 1))(x, w)
@@ -273,7 +272,7 @@ def test_grouped_matmul_in_stack_reads_the_layer_in_place():
     i * E), in the forward and for dx: output and gradients bitwise those of w = stack[i], also
     when w's value is garbage (the kernels never read it); a layer out of range raises."""
     m, kd, n, e, layers = 136, 128, 256, 3, 3
-    x, _, dy = _operands(m, kd, n, e, seed=5)
+    x, _, dy = operands(m, kd, n, e, seed=5)
     stack = (jax.random.normal(jax.random.key(6), (layers, e, kd, n)) / 8).astype(jnp.bfloat16)
     gs = group_sizes_of("zipf", 120, e, seed=5)  # 16 rows past the sum
     for i in (0, 2):
@@ -297,7 +296,7 @@ def test_grouped_matmul_dw_sink_writes_the_stacked_gradient_in_place(impl):
     per-layer gradients of plain autodiff; the weights themselves get zero gradients; a ref of the
     wrong shape raises."""
     m, kd, n, e, layers = 136, 128, 256, 3, 2
-    x, _, _ = _operands(m, kd, n, e, seed=7)
+    x, _, _ = operands(m, kd, n, e, seed=7)
     stack = (jax.random.normal(jax.random.key(8), (layers, e, kd, n)) / 8).astype(jnp.bfloat16)
     gs = group_sizes_of("zipf", 120, e, seed=7)
     cot = jax.random.normal(jax.random.key(9), (m, n)).astype(jnp.bfloat16)

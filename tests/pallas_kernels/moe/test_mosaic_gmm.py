@@ -15,8 +15,7 @@ from pallas_kernels.moe.reference import (grouped_matmul_reference,
                                           grouped_matmul_transposed_reference)
 
 sys.path.insert(0, str(Path(__file__).parent))
-from moe_common import group_sizes_of, rel_err  # noqa: E402
-from moe_common import operands as _operands  # noqa: E402
+from moe_common import group_sizes_of, operands, rel_err  # noqa: E402
 
 
 # configs: the default (columns split between warpgroups; dx with rows split,
@@ -51,7 +50,7 @@ def test_row_tile_table_covers_every_row_once():
                                            ("zipf", 5, M_CONFIG)])
 def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     m, kd, n = (379 if kind == "tail" else 384), 128, 256
-    x, w, dy = _operands(m, kd, n, e, seed=e)
+    x, w, dy = operands(m, kd, n, e, seed=e)
     gs = group_sizes_of(kind, m, e, seed=e)
     f32 = lambda a: a.astype(jnp.float32)
 
@@ -115,7 +114,7 @@ def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
                         lambda: _hopper.interpret_params(detect_races=True))
     gmm, tgmm = mosaic_gpu.gmm.__wrapped__, mosaic_tgmm.tgmm.__wrapped__  # traced afresh
     m, kd, n, e = 136, 128, 256, 3
-    x, w, dy = _operands(m, kd, n, e, seed=8)
+    x, w, dy = operands(m, kd, n, e, seed=8)
     gs = jnp.asarray([70, 0, 50], jnp.int32)
     outs = [gmm(x, w, gs), gmm(x, w, gs, config=M_CONFIG), gmm(x, w, gs, epilogue="swiglu"),
             gmm(dy, w, gs, transpose_rhs=True),
@@ -136,13 +135,13 @@ def test_mosaic_gmm_chained_work_items():
     m, n, e = 520, 256, 4
     gs = jnp.asarray([130, 0, 250, 100], jnp.int32)
     f32 = lambda a: a.astype(jnp.float32)
-    x, w, dy = _operands(m, 256, n, e, seed=21)
+    x, w, dy = operands(m, 256, n, e, seed=21)
     out = mosaic_gpu.gmm(x, w, gs)  # bf16 out: 4 slots, 4 k steps (fp32 staging leaves 3)
     assert rel_err(out, grouped_matmul_reference(f32(x), f32(w), gs)) < 1e-2
     assert np.all(np.asarray(out, np.float32)[int(gs.sum()):] == 0)
     dx = mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True)
     assert rel_err(dx, grouped_matmul_reference(f32(dy), jnp.swapaxes(f32(w), 1, 2), gs)) < 1e-2
-    x, w, _ = _operands(m, 384, n, e, seed=22)
+    x, w, _ = operands(m, 384, n, e, seed=22)
     t, b = x[:, :64], w[:, :64]
     out = mosaic_gpu.gmm(x, w, gs, out_dtype=jnp.float32, extra=(t, b))
     ref = grouped_matmul_reference(f32(x), f32(w), gs) + grouped_matmul_reference(f32(t), f32(b), gs)
@@ -161,8 +160,8 @@ def test_chained_work_items_no_races(kernel_races, monkeypatch):
     gmm = mosaic_gpu.gmm.__wrapped__
     m, n, e = 512, 256, 3
     gs = jnp.asarray([200, 0, 260], jnp.int32)
-    x, w, _ = _operands(m, 256, n, e, seed=23)
-    x3, w3, _ = _operands(m, 384, n, e, seed=24)
+    x, w, _ = operands(m, 256, n, e, seed=23)
+    x3, w3, _ = operands(m, 384, n, e, seed=24)
     outs = [gmm(x, w, gs), gmm(x3, w3, gs, extra=(x3[:, :64], w3[:, :64]))]
     jax.block_until_ready(outs)
     assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
@@ -179,7 +178,7 @@ def test_whole_and_partial_tiles_store_through_both_stagings(kernel_races, monke
                         lambda: _hopper.interpret_params(detect_races=True))
     gmm = mosaic_gpu.gmm.__wrapped__
     m, kd, n, e = 264, 128, 256, 3
-    x, w, dy = _operands(m, kd, n, e, seed=12)
+    x, w, dy = operands(m, kd, n, e, seed=12)
     gs = jnp.asarray([256, 0, 5], jnp.int32)     # tiles 0-1 whole, then 5 rows and rows past the sum
     outs = [gmm(x, w, gs), gmm(x, w, gs, config=M_CONFIG), gmm(dy, w, gs, transpose_rhs=True)]
     jax.block_until_ready(outs)
