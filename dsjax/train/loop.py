@@ -366,7 +366,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
 
     train_step = jit_train_step(cfg, fns, tx, schedule, par, shardings)
     eval_step = jit_eval_step(cfg, fns, par, shardings)
-    writer = MetricsWriter(run_dir, tc.tensorboard, primary)
+    writer = MetricsWriter(run_dir, tc.tensorboard, primary, start_step=start)
     ftok = flops_per_token(cfg.model, cfg.data.seq_len)
     peak = device_peak_flops(cfg.model.dtype, tc.peak_tflops)
     n_dev = jax.device_count()

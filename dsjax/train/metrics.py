@@ -8,7 +8,9 @@ num_experts_per_tok it is sent to; the embedding lookup is not a matmul) and cau
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 
 import jax
@@ -16,6 +18,8 @@ import jax
 from dsjax.config import ModelConfig
 
 # Dense bf16 peak per device, FLOP/s (vendor datasheets); fp32 CPU has no meaningful MFU.
+log = logging.getLogger("dsjax.train")
+
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
@@ -59,11 +63,20 @@ def device_peak_flops(dtype: str, override_tflops: float | None = None) -> float
 class MetricsWriter:
     """Append one JSON object per record to RUN_DIR/metrics.jsonl; mirror scalars to TensorBoard.
 
+    `start_step` is the step the run continues from (0 for a new run). Records an earlier
+    process logged past it (after its last checkpoint, before it stopped) would be logged again
+    by this run, so they move to RUN_DIR/metrics.superseded.jsonl (appended, with a warning
+    naming the count) before the first write; at 0 every earlier record moves, since a run from
+    step 0 logs step 0's validation again. A line cut short by a crash moves with them. The
+    file is replaced atomically (written beside it, then renamed). TensorBoard hides the
+    earlier events at steps >= start_step + 1 (`purge_step`; >= 0 at start 0).
+
     In a multi-process run every process computes the same (replicated) metrics; only process 0
     writes them (`primary`, default: jax.process_index() == 0). On the other processes the
     writer opens nothing and `write` does nothing."""
 
-    def __init__(self, run_dir: str | Path, tensorboard: bool = True, primary: bool | None = None):
+    def __init__(self, run_dir: str | Path, tensorboard: bool = True, primary: bool | None = None,
+                 start_step: int = 0):
         self.path = Path(run_dir) / "metrics.jsonl"
         self.primary = jax.process_index() == 0 if primary is None else primary
         self.file = None
@@ -71,11 +84,42 @@ class MetricsWriter:
         if not self.primary:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._supersede_after(start_step)
         self.file = open(self.path, "a", buffering=1)
         if tensorboard:
             from tensorboardX import SummaryWriter
 
-            self.tb = SummaryWriter(str(Path(run_dir) / "tb"))
+            tb_dir = Path(run_dir) / "tb"
+            purge = (start_step + 1 if start_step > 0 else 0) if tb_dir.is_dir() else None
+            self.tb = SummaryWriter(str(tb_dir), purge_step=purge)
+
+    def _supersede_after(self, start_step: int) -> None:
+        """Move the records of steps > start_step (all of them at 0) to metrics.superseded.jsonl."""
+        if not self.path.is_file():
+            return
+        keep, moved = [], []
+        for line in self.path.read_text().splitlines(keepends=True):
+            try:
+                step = json.loads(line)["step"]
+            except (ValueError, KeyError, TypeError):
+                step = None  # cut short by a crash, or not a record of ours
+            ok = step is not None and line.endswith("\n") and start_step > 0 and step <= start_step
+            (keep if ok else moved).append(line if line.endswith("\n") else line + "\n")
+        if not moved:
+            return
+        aside = self.path.with_name("metrics.superseded.jsonl")
+        with open(aside, "a") as f:
+            f.writelines(moved)
+            f.flush()
+            os.fsync(f.fileno())
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        with open(tmp, "w") as f:
+            f.writelines(keep)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.path)
+        log.warning("%s: moved %d earlier record(s) of steps after %d (this run logs them again) to %s",
+                    self.path, len(moved), start_step, aside)
 
     def write(self, step: int, record: dict) -> None:
         if self.file is None:

@@ -299,10 +299,88 @@ def test_damaged_checkpoint_named_and_fallback_only_on_request(corpus, finished_
     assert snapshot(run) == before and step4.is_dir()
     summary = loop.train(cfg, from_intact=True)
     assert summary["steps"] == 6
-    assert [r["step"] for r in logged_steps(run)][-4:] == [3, 4, 5, 6]  # continued from step 2
+    assert [r["step"] for r in logged_steps(run)] == [1, 2, 3, 4, 5, 6]  # continued from step 2
     assert (run / "checkpoints-damaged" / "4").is_dir()
     ck = Checkpointer(run / "checkpoints", read_only=True)
     assert ck.latest_step() == 6 and ck.verify(4) is None and ck.verify(6) is None
+
+
+def tb_events(tb_dir):
+    """Every event of every TensorBoard file in tb_dir: [(file, Event)] (TFRecord framing:
+    u64 length, u32 crc, payload, u32 crc)."""
+    import struct
+
+    from tensorboardX.proto import event_pb2
+    out = []
+    for f in sorted(Path(tb_dir).glob("events.out.tfevents.*")):
+        data, i = f.read_bytes(), 0
+        while i < len(data):
+            n = struct.unpack("<Q", data[i:i + 8])[0]
+            e = event_pb2.Event()
+            e.ParseFromString(data[i + 12:i + 12 + n])
+            out.append((f.name, e))
+            i += 12 + n + 4
+    return out
+
+
+def test_resume_moves_records_logged_after_the_checkpoint_aside(corpus, finished_run, tmp_path):
+    """A run logged steps 3 and 4 after its checkpoint at step 2 and died before checkpoint 4
+    was saved (emulated: checkpoint 4 removed, a line cut short at the end of metrics.jsonl).
+    Resumed from step 2, metrics.jsonl holds every step once; the earlier records of steps 3-4
+    and the cut line are in metrics.superseded.jsonl; TensorBoard gets purge step 3."""
+    from tensorboardX import SummaryWriter
+
+    run = copy_run(finished_run, tmp_path)
+    shutil.rmtree(run / "checkpoints" / "4")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 3.')
+    before = (run / "metrics.jsonl").read_text().splitlines()
+    old_tb = SummaryWriter(str(run / "tb"))
+    for s in (1, 2, 3, 4):
+        old_tb.add_scalar("loss", 10.0 + s, s)
+    old_tb.close()
+    cfg = small(corpus, tmp_path, "train.steps=5", "checkpoint.every=2", "train.tensorboard=true")
+    assert loop.train(cfg, resume=True)["steps"] == 5
+
+    recs = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in recs if "loss" in r] == [1, 2, 3, 4, 5]
+    assert [r["step"] for r in recs if "val_loss" in r] == [0, 5]
+    moved = (run / "metrics.superseded.jsonl").read_text().splitlines()
+    assert moved == [l for l in before if not l.startswith(('{"step": 0,', '{"step": 1,', '{"step": 2,'))]
+    assert [json.loads(l)["step"] for l in moved[:-1]] == [3, 4, 4] and moved[-1] == '{"step": 5, "loss": 3.'
+    assert recs[:3] == [json.loads(l) for l in before[:3]]  # steps 0-2 kept as they were
+
+    events = tb_events(run / "tb")
+    new_files = {name for name, e in events if e.HasField("session_log")}
+    assert len(new_files) == 1
+    starts = [e.step for name, e in events if e.HasField("session_log")]
+    assert starts == [3]
+    new_loss = [e.step for name, e in events if name in new_files and e.HasField("summary")
+                and e.summary.value[0].tag == "loss"]
+    assert new_loss == [3, 4, 5]
+
+
+def test_a_new_run_moves_a_leftover_metrics_file_aside(tmp_path):
+    """A run from step 0 in a directory whose earlier run left records but no checkpoint: every
+    earlier record moves to metrics.superseded.jsonl (nothing is appended after them); a writer
+    on a process other than 0 touches no file."""
+    from dsjax.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, tensorboard=False, primary=True)
+    w.write(0, {"val_loss": 5.0})
+    w.write(1, {"loss": 4.0})
+    w.close()
+    assert not (tmp_path / "metrics.superseded.jsonl").exists()
+    w = MetricsWriter(tmp_path, tensorboard=False, primary=True, start_step=0)
+    w.write(0, {"val_loss": 6.0})
+    w.close()
+    assert [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [{"step": 0, "val_loss": 6.0}]
+    assert [json.loads(l) for l in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()] == \
+        [{"step": 0, "val_loss": 5.0}, {"step": 1, "loss": 4.0}]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    w = MetricsWriter(tmp_path, tensorboard=False, primary=False, start_step=0)  # not process 0
+    assert w.file is None and (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
 
 
 # ---------------------------------------------------------------------------------------------
