@@ -21,9 +21,10 @@ from moe_common import operands as _operands  # noqa: E402
 
 # configs: the default (columns split between warpgroups; dx with rows split,
 # TRANSPOSED_CONFIG) and the forward with rows split between warpgroups (half-tile wgmma
-# skipping; its fused SwiGLU interleaves in blocks of 128); "tail" has m = 379 (not a multiple
-# of 8: padded inside gmm)
+# skipping; its fused SwiGLU interleaves in blocks of 128), and 32-wide k steps (A's 64-byte
+# swizzle sets B's); "tail" has m = 379 (not a multiple of 8: padded inside gmm)
 M_CONFIG = mosaic_gpu.TileConfig(wg_split="m")
+TK32_CONFIG = mosaic_gpu.TileConfig(tile_k=32)
 
 
 def test_row_tile_table_covers_every_row_once():
@@ -48,7 +49,7 @@ def test_row_tile_table_covers_every_row_once():
 
 
 @pytest.mark.parametrize("kind,e,config", [("zipf", 8, None), ("one", 4, None), ("tail", 6, None),
-                                           ("zipf", 5, M_CONFIG)])
+                                           ("zipf", 5, M_CONFIG), ("tail", 5, TK32_CONFIG)])
 def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     m, kd, n = (379 if kind == "tail" else 384), 128, 256
     x, w, dy = _operands(m, kd, n, e, seed=e)
