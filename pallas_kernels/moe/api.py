@@ -133,6 +133,10 @@ def _tgmm_backend(backend, x, dy, gs, out_dtype):
         shape = (gs.shape[0], x.shape[1], dy.shape[1])
         return _compile_only.stand_in(jax.ShapeDtypeStruct(shape, out_dtype), x, dy, gs)
     if backend == "pallas":
+        kx = x.shape[1]
+        if kx % 64:  # an extra's t narrower than the kernel's 64-row tile: zero columns, dropped
+            x = jnp.pad(x, ((0, 0), (0, -kx % 64)))
+            return mosaic_tgmm.tgmm(x, dy, gs, out_dtype=out_dtype)[:, :kx]
         return mosaic_tgmm.tgmm(x, dy, gs, out_dtype=out_dtype)
     return grouped_matmul_transposed_reference(x, dy, gs, preferred_element_type=out_dtype)
 
@@ -267,7 +271,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         gradient stopped, dx also takes that path's term dt @ a^T inside dx's GEMM (the
         adapter's whole input gradient without an [M, Kd] product and add); a gets no
         gradient here (its own GEMM gives da = x^T dt). For the kernels, t, b, a are in x's
-        dtype and R is a multiple of 64 small enough for shared memory (`extra_fits`; 128 at
+        dtype and R is a multiple of 16 small enough for shared memory (`extra_fits`; 128 at
         V2-Lite's widths); otherwise "auto" runs the reference.
       dw_sink: None, or (ref, row): w's gradient is written into the mutable ref (`jax.new_ref`
         / `jax.empty_ref`, [G, Kd, N] in w's dtype, made by the caller outside `jax.grad`) at

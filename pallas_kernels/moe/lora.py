@@ -7,11 +7,11 @@ B[g(i)] scale) (Hu et al. 2021, arXiv 2106.09685, eq. 3), with the per-expert fa
 tx's `LoRAExpert`. t = x @ A is one grouped GEMM (shared by the adapters of GEMMs with the
 same input: gate and up); t @ B runs inside the base GEMM as one more contraction into its
 accumulator (`grouped_matmul(extra=...)`). The Mosaic GPU kernels take output widths that are
-multiples of 128 and contractions in steps of 64, so where they run, A is zero-padded to 128
-columns and t and B to a multiple of 64 (zero columns and rows: the product, and the gradients
-of the real columns and rows, are exact); the fallback `lax.ragged_dot` runs ~50x slower than
-the kernels on an H200. Gradients come from `grouped_matmul`'s custom VJP (dx, dA, dt, dB
-grouped GEMMs).
+multiples of 128 and contractions in steps of 64 (16 for the extra contraction), so where they
+run, A is zero-padded to 128 columns and t and B to a multiple of 16 (zero columns and rows: the
+product, and the gradients of the real columns and rows, are exact); the fallback
+`lax.ragged_dot` runs ~50x slower than the kernels on an H200. Gradients come from
+`grouped_matmul`'s custom VJP (dx, dA, dt, dB grouped GEMMs).
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from pallas_kernels.moe import api
 
 
 KERNEL_WIDTH = 128  # the Mosaic GPU grouped GEMMs' width granule (output and contraction)
-CONTRACTION_STEP = 64  # their contraction step: `grouped_matmul(extra=...)` takes multiples of it
+CONTRACTION_STEP = 16  # `grouped_matmul(extra=...)` takes t and B widths in multiples of it
 
 
 def _impl_for(impl, x, w):
@@ -77,7 +77,7 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_
     t = x @ [A_1 | A_2 | ...] is one grouped GEMM of width R = r_1 + r_2 + ... (padded to
     KERNEL_WIDTH where the kernels run, so two rank-16 adapters cost what one does); its r real
     columns are named "lora_t" for remat policies and zero-padded to a multiple of the kernels'
-    contraction step (64). B_i' is scale * B_i placed in rows r_1 + ... + r_(i-1) onwards of an
+    contraction step (16). B_i' is scale * B_i placed in rows r_1 + ... + r_(i-1) onwards of an
     [E, R', N_i] zero block, so t @ B_i' is adapter i's term and needs no slice of t. In the
     backward the cotangents of t add up, so the dA of all adapters is one grouped GEMM (and
     their dx, unless `dx_elsewhere`). The scale multiplies B (fp32, then cast), never an

@@ -27,7 +27,7 @@ Two kernels, both persistent (one CTA per SM looping over work items) and warp-s
   (`interleave_gate_up`, 64 by default), so each warpgroup's accumulator holds matching gate
   and up halves; it stores silu(gate) * up from the fp32 accumulators ([M, N/2]) and, for
   the backward, optionally the pre-activation h [M, N]. extra=(t, b): t[i] @ b[g] (a LoRA
-  adapter's second factor, R a multiple of 64) is one more wgmma into the same accumulator after
+  adapter's second factor, R a multiple of 16) is one more wgmma into the same accumulator after
   the main loop; each compute warpgroup loads its t rows and b columns by TMA at the start of
   the work item, into its own slots, so the load overlaps the main loop.
 * `tgmm` (the weight gradient, in `mosaic_tgmm.py`): dw[E, Kx, N] = per group
@@ -51,6 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
 
+EXTRA_STEP = 16  # the extra contraction's width granule: one bf16/f16 wgmma k step
 _SMEM_BYTES = 227 * 1024 - 2048  # usable dynamic SMEM per CTA on sm90, minus barrier slack
 _EPI = 64  # plain epilogue: rows and columns of one staged output sub-tile
 SUPPORTED_DTYPES = (jnp.bfloat16, jnp.float16)
@@ -80,8 +81,11 @@ DEFAULT_CONFIG = TileConfig()
 TRANSPOSED_CONFIG = TileConfig(wg_split="m")
 
 
-def _transforms(minor_elems, dtype):
-    swizzle = plgpu.find_swizzle(minor_elems * jnp.dtype(dtype).itemsize * 8)
+def _transforms(minor_elems, dtype, swizzle_elems=None):
+    """SMEM tiling + swizzle of a tile whose minor dimension has `minor_elems` elements: the
+    widest swizzle that divides it, or that of `swizzle_elems` (a wgmma's two operands must share
+    one swizzle, so a narrow A sets B's)."""
+    swizzle = plgpu.find_swizzle((swizzle_elems or minor_elems) * jnp.dtype(dtype).itemsize * 8)
     elems = swizzle // jnp.dtype(dtype).itemsize
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
@@ -236,8 +240,8 @@ def extra_fits(n, r, dtype, *, out_dtype=None, transpose_rhs=False, config=None)
     dtype = jnp.dtype(dtype)
     out_dtype = jnp.dtype(out_dtype or dtype)
     try:
-        if r % config.tile_k:
-            raise ValueError(f"extra width {r} must be a multiple of tile_k={config.tile_k}")
+        if r % EXTRA_STEP:
+            raise ValueError(f"extra width {r} must be a multiple of {EXTRA_STEP}")
         tn, wm, wn = _column_tiles(n, out_dtype, config, extra_r=r)
         _gmm_stages(tn, wm, wn, dtype.itemsize, out_dtype, config, r)
     except ValueError as err:
@@ -266,7 +270,7 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
       return_h: with epilogue="swiglu", also return the pre-activation h = x @ w [M, N]
         (interleaved layout, out_dtype) for the backward pass.
       extra: None, or (t [M, R], b [E, R, N] ([E, N, R] if transpose_rhs)), same dtype as x,
-        R a multiple of tile_k: one more contraction into the same fp32 accumulator, e.g. a
+        R a multiple of 16: one more contraction into the same fp32 accumulator, e.g. a
         LoRA adapter's second factor (x W + (x A) B without writing (x A) B or adding it in
         another pass). b is indexed by the group alone (no group_offset). Each compute
         warpgroup loads its t rows and b columns by TMA while its main loop runs; the column
@@ -307,9 +311,9 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         check_dtypes(x, t_x, b_x)
         r = t_x.shape[1]
         b_want = (e, n, r) if transpose_rhs else (e, r, n)
-        if swiglu or t_x.shape != (m, r) or r % tk or tuple(b_x.shape) != b_want:
+        if swiglu or t_x.shape != (m, r) or r % EXTRA_STEP or tuple(b_x.shape) != b_want:
             raise ValueError(f"extra: t {t_x.shape} and b {b_x.shape} do not fit x {x.shape} "
-                             f"(want t [{m}, R], R % {tk} == 0, b {list(b_want)}; no swiglu)")
+                             f"(want t [{m}, R], R % {EXTRA_STEP} == 0, b {list(b_want)}; no swiglu)")
     tn, wm, wn = _column_tiles(n, out_dtype, config, swiglu, r)
     if kc % tk:
         raise ValueError(f"contraction width {kc} must be a multiple of tile_k={tk}")
@@ -351,11 +355,11 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         pipe_steps = k_steps
     itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
-    b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype)
+    b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype, swizzle_elems=tk)
     if extra is not None:  # per compute warpgroup: its t rows [wm, R] and b columns
         bx_block = (wn, r) if transpose_rhs else (r, wn)
         t_tr = _transforms(r, x.dtype)
-        bx_tr = _transforms(r if transpose_rhs else wn, x.dtype)
+        bx_tr = _transforms(r if transpose_rhs else wn, x.dtype, swizzle_elems=r)
     out_tr = _transforms(min(_EPI, wn), out_dtype)
     em, en = min(_EPI, wm), min(_EPI, wn)  # plain epilogue sub-tile
     b_block = (cta_n, tk) if transpose_rhs else (tk, cta_n)

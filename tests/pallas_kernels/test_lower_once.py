@@ -4,6 +4,7 @@ lowering, layout inference and serialisation run without a GPU)."""
 import re
 
 import numpy as np
+import pytest
 
 import jax
 import jax.numpy as jnp
@@ -79,11 +80,14 @@ def test_identical_grouped_gemms_compile_once(monkeypatch):
     assert len(hashes) == 2 and len(set(hashes)) == 2
 
 
-def test_extra_contraction_lowers_for_hopper_at_v2_lite_widths(monkeypatch):
+@pytest.mark.parametrize("r", [16, 32, 64])
+def test_extra_contraction_lowers_for_hopper_at_v2_lite_widths(monkeypatch, r):
     """The grouped GEMMs of V2-Lite's routed-expert LoRA with the adapter's extra contraction
-    (R = 64), lowered for CUDA: Mosaic GPU's layout inference and shared-memory plan run on
-    this CPU, so a tile shape the compiled kernel cannot take fails here, not on the GPU."""
-    bf, m, e, d, f, r = jnp.bfloat16, 1024, 64, 2048, 1408, 64
+    (R = 16, 32: the rank-16 down and the gate + up adapters; 64), lowered for CUDA: Mosaic GPU's
+    layout inference, wgmma descriptors and shared-memory plan run on this CPU, so a tile shape
+    the compiled kernel cannot take (e.g. A and B of one wgmma with two swizzles) fails here,
+    not on the GPU."""
+    bf, m, e, d, f = jnp.bfloat16, 1024, 64, 2048, 1408
     S = jax.ShapeDtypeStruct
     gs = S((e,), jnp.int32)
     cases = [  # (x, w, t, b, transpose_rhs): gate/up forward, down forward, their dx
@@ -98,3 +102,16 @@ def test_extra_contraction_lowers_for_hopper_at_v2_lite_widths(monkeypatch):
         hashes = _kernel_hashes(f_, S(xs, bf), S(ws, bf), gs, S(ts, bf), S(bs, bf),
                                 monkeypatch=monkeypatch)
         assert len(hashes) == 1, (xs, ws, tr)
+
+
+def test_narrow_k_steps_lower_for_hopper(monkeypatch):
+    """tile_k = 32 (A's rows 64 bytes: a 64-byte swizzle, which B's tile then takes too), forward
+    and transposed, lowered for CUDA."""
+    S, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    config = mosaic_gpu.TileConfig(tile_k=32)
+    for tr, ws in ((False, (8, 1408, 2048)), (True, (8, 2048, 1408))):
+        def f_(x, w, gs, tr=tr):
+            return mosaic_gpu.gmm(x, w, gs, transpose_rhs=tr, config=config)
+        hashes = _kernel_hashes(f_, S((1024, 1408), bf), S(ws, bf), S((8,), jnp.int32),
+                                monkeypatch=monkeypatch)
+        assert len(hashes) == 1, tr

@@ -20,9 +20,10 @@ from moe_common import group_sizes_of, operands, rel_err  # noqa: E402
 
 # configs: the default (columns split between warpgroups; dx with rows split,
 # TRANSPOSED_CONFIG) and the forward with rows split between warpgroups (half-tile wgmma
-# skipping; its fused SwiGLU interleaves in blocks of 128); "tail" has m = 379 (not a multiple
-# of 8: padded inside gmm)
+# skipping; its fused SwiGLU interleaves in blocks of 128), and 32-wide k steps (A's 64-byte
+# swizzle sets B's); "tail" has m = 379 (not a multiple of 8: padded inside gmm)
 M_CONFIG = mosaic_gpu.TileConfig(wg_split="m")
+TK32_CONFIG = mosaic_gpu.TileConfig(tile_k=32)
 
 
 def test_row_tile_table_covers_every_row_once():
@@ -47,7 +48,7 @@ def test_row_tile_table_covers_every_row_once():
 
 
 @pytest.mark.parametrize("kind,e,config", [("zipf", 8, None), ("one", 4, None), ("tail", 6, None),
-                                           ("zipf", 5, M_CONFIG)])
+                                           ("zipf", 5, M_CONFIG), ("tail", 5, TK32_CONFIG)])
 def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     m, kd, n = (379 if kind == "tail" else 384), 128, 256
     x, w, dy = operands(m, kd, n, e, seed=e)
@@ -80,12 +81,14 @@ def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     assert np.all(np.asarray(dw)[empty] == 0)
 
 
-@pytest.mark.parametrize("kind,config,transpose", [("zipf", None, False), ("tail", None, False),
-                                                   ("zipf", M_CONFIG, False), ("one", None, True)])
-def test_mosaic_gmm_extra_contraction(kind, config, transpose):
+@pytest.mark.parametrize("kind,config,transpose,r", [
+    ("zipf", None, False, 64), ("tail", None, False, 64), ("zipf", M_CONFIG, False, 64), ("one", None, True, 64),
+    ("zipf", None, False, 16), ("tail", M_CONFIG, False, 32), ("zipf", None, True, 16), ("one", None, True, 32)])
+def test_mosaic_gmm_extra_contraction(kind, config, transpose, r):
     """gmm(extra=(t, b)): x @ w[g] + t @ b[g] in one accumulator (b^T with transposed weights),
-    both warpgroup splits, 379 rows (padded inside), an empty group."""
-    m, kd, n, e, r = (379 if kind == "tail" else 384), 128, 256, 5, 64
+    both warpgroup splits, 379 rows (padded inside), an empty group; extra widths 64 and the
+    narrow 16 and 32 (one wgmma k step or two, B's swizzle set by t's)."""
+    m, kd, n, e = (379 if kind == "tail" else 384), 128, 256, 5
     k = jax.random.split(jax.random.key(e), 4)
     x = jax.random.normal(k[0], (m, kd)).astype(jnp.bfloat16)
     w = (jax.random.normal(k[1], (e, n, kd) if transpose else (e, kd, n)) / 8).astype(jnp.bfloat16)
@@ -100,16 +103,17 @@ def test_mosaic_gmm_extra_contraction(kind, config, transpose):
     assert out.shape == (m, n) and rel_err(out, ref) < 1e-5
     if kind == "tail":
         assert np.all(np.asarray(out)[int(gs.sum()):] == 0)
-    with pytest.raises(ValueError, match="extra"):
-        mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose, extra=(t[:, :48], b))
+    with pytest.raises(ValueError, match="extra"):  # a width that is no multiple of 16
+        mosaic_gpu.gmm(x, w, gs, transpose_rhs=transpose,
+                       extra=(t[:, :r - 8], b[..., :r - 8] if transpose else b[:, :r - 8]))
 
 
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
 def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
     """GPU interpret mode with race detection, one launch each: the forward GEMM in both
     warpgroup splits, with the SwiGLU epilogue, transposed weights (dx), a group offset into a
-    stack, the weight-gradient GEMM, and the extra contraction (forward and transposed); a
-    136-row x with an empty group and rows past the sum."""
+    stack, the weight-gradient GEMM, and the extra contraction (forward and transposed, 64 wide
+    and narrow); a 136-row x with an empty group and rows past the sum."""
     monkeypatch.setattr(mosaic_gpu, "default_interpret",
                         lambda: _hopper.interpret_params(detect_races=True))
     gmm, tgmm = mosaic_gpu.gmm.__wrapped__, mosaic_tgmm.tgmm.__wrapped__  # traced afresh
@@ -121,7 +125,9 @@ def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
             gmm(x, jnp.concatenate([w, w]), gs, group_offset=jnp.asarray(e, jnp.int32)),
             tgmm(x, dy, gs),
             gmm(x, w, gs, extra=(x[:, :64], w[:, :64])),
-            gmm(dy, w, gs, transpose_rhs=True, extra=(dy[:, :128], w[:, :, :128]))]
+            gmm(dy, w, gs, transpose_rhs=True, extra=(dy[:, :128], w[:, :, :128])),
+            gmm(x, w, gs, extra=(x[:, :16], w[:, :16])),
+            gmm(dy, w, gs, transpose_rhs=True, extra=(dy[:, :32], w[:, :, :32]))]
     jax.block_until_ready(outs)
     assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
     np.testing.assert_array_equal(np.asarray(outs[4], np.float32), np.asarray(outs[0], np.float32))
