@@ -353,7 +353,6 @@ def gmm(x, w, group_sizes, *, transpose_rhs=False, out_dtype=None, config=None, 
         table = jnp.concatenate([table, jnp.broadcast_to(n_items, (1, num_tiles))])
     else:
         pipe_steps = k_steps
-    itemsize = x.dtype.itemsize
     a_tr = _transforms(tk, x.dtype)
     b_tr = _transforms(tk if transpose_rhs else cta_n, x.dtype, swizzle_elems=tk)
     if extra is not None:  # per compute warpgroup: its t rows [wm, R] and b columns
