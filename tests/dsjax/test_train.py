@@ -410,3 +410,26 @@ def test_expert_gradients_written_in_place_equal_the_stacked_ones(tmp_path, monk
         moved = np.abs(np.asarray(s1["params"]["moe_layers"]["mlp"][proj], np.float32)
                        - np.asarray(p["moe_layers"]["mlp"][proj], np.float32))
         assert moved.reshape(moved.shape[0], -1).max(axis=1).min() > 0, proj
+
+
+def test_a_new_run_moves_a_leftover_metrics_file_aside(tmp_path):
+    """A run from step 0 in a directory whose earlier run left records but no checkpoint: every
+    earlier record moves to metrics.superseded.jsonl (nothing is appended after them); a writer
+    on a process other than 0 touches no file."""
+    from dsjax.train.metrics import MetricsWriter
+
+    w = MetricsWriter(tmp_path, tensorboard=False, primary=True)
+    w.write(0, {"val_loss": 5.0})
+    w.write(1, {"loss": 4.0})
+    w.close()
+    assert not (tmp_path / "metrics.superseded.jsonl").exists()
+    w = MetricsWriter(tmp_path, tensorboard=False, primary=True, start_step=0)
+    w.write(0, {"val_loss": 6.0})
+    w.close()
+    assert [json.loads(l) for l in (tmp_path / "metrics.jsonl").read_text().splitlines()] == \
+        [{"step": 0, "val_loss": 6.0}]
+    assert [json.loads(l) for l in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()] == \
+        [{"step": 0, "val_loss": 5.0}, {"step": 1, "loss": 4.0}]
+    assert not (tmp_path / "metrics.jsonl.tmp").exists()
+    w = MetricsWriter(tmp_path, tensorboard=False, primary=False, start_step=0)  # not process 0
+    assert w.file is None and (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
