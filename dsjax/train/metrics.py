@@ -17,9 +17,9 @@ import jax
 
 from dsjax.config import ModelConfig
 
-# Dense bf16 peak per device, FLOP/s (vendor datasheets); fp32 CPU has no meaningful MFU.
 log = logging.getLogger("dsjax.train")
 
+# Dense bf16 peak per device, FLOP/s (vendor datasheets); fp32 CPU has no meaningful MFU.
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "B200": 2250e12}
 
 
