@@ -269,6 +269,19 @@ def evaluate(eval_step, params, rest, val: PackedLoader, max_batches: int, par: 
     return nll / max(n, 1.0)
 
 
+def move_aside(step_dir: Path, aside_root: Path) -> Path:
+    """Move step_dir into aside_root under its own name, or NAME.1, NAME.2, ... if a step of
+    that name was moved aside before (a step number is reused when a run continues from an
+    older checkpoint); returns the new path. Raises OSError if the move fails."""
+    aside_root.mkdir(parents=True, exist_ok=True)
+    dest, n = aside_root / step_dir.name, 0
+    while dest.exists():
+        n += 1
+        dest = aside_root / f"{step_dir.name}.{n}"
+    shutil.move(str(step_dir), str(dest))
+    return dest
+
+
 def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dict:
     """Train per `cfg`; returns a summary dict: val_loss and train_loss {step: loss}, steps,
     wall_s (the whole call), first_step_s (the first step, mostly compilation), and
@@ -349,9 +362,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)
         for s_bad in sorted(damaged):
-            aside = run_dir / "checkpoints-damaged" / str(s_bad)
-            aside.parent.mkdir(exist_ok=True)
-            shutil.move(str(ckpt_dir / str(s_bad)), str(aside))
+            aside = move_aside(ckpt_dir / str(s_bad), run_dir / "checkpoints-damaged")
             log.warning("moved damaged checkpoint step %d to %s", s_bad, aside)
         (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
         if Path(tok.path).resolve() != run_tok.resolve():
