@@ -207,6 +207,41 @@ def validate(cfg: Config) -> None:
     if t.init_from is not None and t.init_from_hf is not None:
         raise ConfigError("config: train.init_from and train.init_from_hf are exclusive: name one")
     _validate_lora(cfg)
+    _validate_kernels(m)
+
+
+def _validate_kernels(m) -> None:
+    """model.attention_impl / moe_impl = pallas: the Mosaic GPU kernels' limits on the model's
+    dtype and widths, which a run would otherwise meet at its first step ("auto" takes the
+    reference where the kernels do not fit)."""
+    if "pallas" not in (m.attention_impl, m.moe_impl):
+        return
+    import jax
+
+    dt = jax.numpy.dtype(m.dtype)
+    if m.attention_impl == "pallas":
+        from pallas_kernels.flash_attention.mosaic_common import check_supported
+
+        dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
+        q = jax.ShapeDtypeStruct((1, 128, m.num_attention_heads, dqk), dt)
+        v = jax.ShapeDtypeStruct((1, 128, m.num_attention_heads, m.v_head_dim), dt)
+        try:
+            check_supported(q, q, v)
+        except ValueError as err:
+            raise ConfigError(f"config: model.attention_impl=pallas does not fit model.dtype={m.dtype}, "
+                              f"qk_nope_head_dim + qk_rope_head_dim = {dqk}, v_head_dim={m.v_head_dim}: "
+                              f"{err}; use attention_impl=auto or reference") from None
+    if m.moe_impl == "pallas" and m.num_moe_layers > 0:
+        from pallas_kernels.moe.api import pallas_unsupported
+        from pallas_kernels.moe.mosaic_gpu import TileConfig
+
+        rows = jax.ShapeDtypeStruct((TileConfig().tile_m, m.hidden_size), dt)
+        gate = jax.ShapeDtypeStruct((m.n_routed_experts, m.hidden_size, m.moe_intermediate_size), dt)
+        reason = pallas_unsupported(rows, gate)
+        if reason:
+            raise ConfigError(f"config: model.moe_impl=pallas does not fit model.dtype={m.dtype}, "
+                              f"hidden_size={m.hidden_size}, moe_intermediate_size="
+                              f"{m.moe_intermediate_size}: {reason}; use moe_impl=auto or reference")
 
 
 def _validate_lora(cfg: Config) -> None:

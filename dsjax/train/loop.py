@@ -426,13 +426,6 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
             raise NonFiniteError(f"validation loss is {v} at step {at}: the parameters are not "
                                  f"finite or the model overflows in {cfg.model.dtype}")
 
-    if val_loader is not None and start == 0:
-        v = evaluate(eval_step, finetune.full_params(state), state["rest"], val_loader, tc.eval_batches, par)
-        check_val(0, v)
-        summary["val_loss"][0] = v
-        writer.write(0, {"val_loss": v, "elapsed_s": time.time() - t0})
-        say(f"step 0 val_loss {v:.4f}")
-    last_t, last_step = time.time(), start
     pending = None
     step = start
     # the run's average tokens/s counts the steps after the first (whose time is mostly XLA
@@ -440,7 +433,14 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     # last, less the evaluations in it; checkpoint saves count (the final wait for an async save
     # does not). Tokens are summed on device, so no step waits for its metrics.
     steady_t0, steady_tokens, first_tokens, eval_s = None, None, None, 0.0
-    try:
+    try:  # from the first evaluation on, any error still closes the writers and the checkpointer
+        if val_loader is not None and start == 0:
+            v = evaluate(eval_step, finetune.full_params(state), state["rest"], val_loader, tc.eval_batches, par)
+            check_val(0, v)
+            summary["val_loss"][0] = v
+            writer.write(0, {"val_loss": v, "elapsed_s": time.time() - t0})
+            say(f"step 0 val_loss {v:.4f}")
+        last_t, last_step = time.time(), start
         for step in range(start + 1, tc.steps + 1):
             batch = global_batch(par, next(train_loader), tc.grad_accum)
             state, metrics = train_step(state, batch)

@@ -38,7 +38,8 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
         ring-attention blocks.
       return_lse: also return the natural log-sum-exp [B, N, T] fp32 (-inf on fully masked rows);
         it is differentiable, so partial results can be merged (ring attention).
-      impl: "auto" (the Mosaic GPU kernel on a Hopper GPU, else the reference), "pallas" (the
+      impl: "auto" (the Mosaic GPU kernel on a Hopper GPU where it takes the inputs, e.g. not
+        fp32 or head dims that are not multiples of 64; else the reference), "pallas" (the
         Mosaic GPU kernel; on a non-GPU backend it runs in GPU interpret mode, which is slow and
         meant for tests) or "reference" (pure jnp, `reference.attention_reference`).
 
@@ -54,16 +55,8 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r}: expected one of {IMPLS}")
     B, T, S, N, K, Dqk, Dv = check_shapes(q, k, v)
-    if impl == "auto" and _compile_only.active():
-        # memory planning: the kernel where it takes the inputs (a GPU run would raise for the
-        # others), else the reference
-        try:
-            check_supported(q, k, v, None)
-            impl = "pallas"
-        except ValueError:
-            impl = "reference"
-    if impl == "auto":
-        impl = "pallas" if on_hopper() else "reference"
+    if impl == "auto":  # the kernel on a Hopper GPU (or while planning) where it takes the inputs
+        impl = "pallas" if (_compile_only.active() or on_hopper()) and supports(q, k, v) else "reference"
     if impl == "pallas" and _compile_only.active():  # memory planning: outputs of the kernels
         check_supported(q, k, v, None)
         o, lse = _attention_stand_in(q, k, v, segment_ids)
@@ -81,6 +74,16 @@ def flash_attention(q, k, v, *, causal=True, scale=None, segment_ids=None, q_off
     o, lse = flash_attention_mosaic(q, k, v, causal=causal, scale=scale, segments=segs,
                                     q_offset=q_offset, kv_offset=kv_offset, interpret=interpret)
     return (o, lse) if return_lse else o
+
+
+def supports(q, k, v) -> bool:
+    """Whether the Mosaic GPU kernel takes q, k, v (arrays or `jax.ShapeDtypeStruct`s) with its
+    default tiles: bf16/fp16, head dims multiples of 64 up to 256, within shared memory."""
+    try:
+        check_supported(q, k, v, None)
+    except ValueError:
+        return False
+    return True
 
 
 def flash_attention_mosaic(q, k, v, *, causal=True, scale=None, segments=None, q_offset=0,

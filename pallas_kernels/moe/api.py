@@ -39,8 +39,10 @@ from pallas_kernels.moe.reference import grouped_matmul_reference, grouped_matmu
 from pallas_kernels.moe.routing import _check, _hopper, _kernel_backend
 
 
-def _pallas_fits(x, w, transpose_rhs=False):
-    """None if the Mosaic GPU kernels take these operands, else the reason."""
+def pallas_unsupported(x, w, transpose_rhs=False):
+    """None if the Mosaic GPU kernels take x [M, K] @ w [E, K, N] (w [E, N, K] with
+    transpose_rhs; arrays or `jax.ShapeDtypeStruct`s) forward and backward, else the reason in
+    one line: one dtype, bf16 or fp16; K and N multiples of 128; M >= the row tile."""
     try:
         mosaic_gpu.check_dtypes(x, w)
         n = w.shape[1] if transpose_rhs else w.shape[2]
@@ -74,7 +76,7 @@ def _resolve(impl, x, w, extra=(), out_dtype=None):
     _check(impl)
     if impl == "reference":
         return "reference"
-    reason = _pallas_fits(x, w) or _extra_fits(x, w, extra, out_dtype)
+    reason = pallas_unsupported(x, w) or _extra_fits(x, w, extra, out_dtype)
     if impl == "pallas":
         if reason:
             raise ValueError(f"impl='pallas': {reason}")
@@ -245,7 +247,7 @@ def extra_fits(x, w, r, *, impl="auto"):
     shared memory, or not a multiple of 64)."""
     _check(impl)
     kernels = impl == "pallas" or (impl == "auto" and _hopper())
-    if impl == "reference" or not kernels or _pallas_fits(x, w) is not None:
+    if impl == "reference" or not kernels or pallas_unsupported(x, w) is not None:
         return True
     return (mosaic_gpu.extra_fits(w.shape[2], r, x.dtype) is None
             and mosaic_gpu.extra_fits(w.shape[1], r, x.dtype, transpose_rhs=True) is None)

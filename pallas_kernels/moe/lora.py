@@ -27,7 +27,7 @@ CONTRACTION_STEP = 16  # `grouped_matmul(extra=...)` takes t and B widths in mul
 
 
 def _impl_for(impl, x, w):
-    if impl == "pallas" and api._pallas_fits(x, w) is not None:
+    if impl == "pallas" and api.pallas_unsupported(x, w) is not None:
         return "auto"
     return impl
 
@@ -53,7 +53,7 @@ def padded_rank(x, a, b, impl):
     a_p = jax.ShapeDtypeStruct(a.shape[:-1] + (rp,), x.dtype)
     t_p = jax.ShapeDtypeStruct(x.shape[:-1] + (rp,), x.dtype)
     b_p = jax.ShapeDtypeStruct((b.shape[0], rp, b.shape[2]), x.dtype)
-    fits = api._pallas_fits(x, a_p) is None and api._pallas_fits(t_p, b_p) is None
+    fits = api.pallas_unsupported(x, a_p) is None and api.pallas_unsupported(t_p, b_p) is None
     if not fits or api._resolve(impl, x, a_p) == "reference":
         return r
     return rp

@@ -108,8 +108,9 @@ def pick_tile_n(n):
 def check_dtypes(*arrays):
     dt = arrays[0].dtype
     if any(a.dtype != dt for a in arrays) or dt not in [jnp.dtype(d) for d in SUPPORTED_DTYPES]:
-        raise ValueError(f"Mosaic GPU grouped GEMM needs one dtype in {SUPPORTED_DTYPES}, got "
-                         f"{[str(a.dtype) for a in arrays]}")
+        names = ", ".join(jnp.dtype(d).name for d in SUPPORTED_DTYPES)
+        raise ValueError(f"Mosaic GPU grouped GEMM needs one dtype of {names}, got "
+                         f"{', '.join(str(a.dtype) for a in arrays)}")
 
 
 def row_tile_table(group_sizes, m, tile_m):

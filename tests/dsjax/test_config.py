@@ -87,3 +87,34 @@ def test_cli_bad_key_fails_fast_one_line(tmp_path):
     assert lines[-1].startswith("dsjax.train: error: config: unknown key 'optim.lr'")
     assert len(lines) == 1, r.stderr
     assert not (tmp_path / "run").exists()  # no work done
+
+
+@pytest.mark.parametrize("overrides, needle", [
+    (["model.attention_impl=pallas", "model.dtype=float32"],
+     "model.attention_impl=pallas does not fit model.dtype=float32"),
+    (["model.moe_impl=pallas", "model.dtype=float32"], "model.moe_impl=pallas does not fit model.dtype=float32"),
+    (["model.attention_impl=pallas", "model.dtype=bfloat16", "model.v_head_dim=96"],
+     "v_head_dim=96: Dv=96: the Mosaic GPU kernel takes head dims that are multiples of 64"),
+    (["model.moe_impl=pallas", "model.dtype=bfloat16", "model.moe_intermediate_size=1344"],
+     "moe_intermediate_size=1344: output width 1344 must be a multiple of 128"),
+])
+def test_pallas_impls_the_kernels_cannot_take_are_refused(overrides, needle):
+    with pytest.raises(C.ConfigError) as e:
+        C.load(ROOT / "configs" / "deepseek_v2_lite.yaml", overrides)
+    assert needle in str(e.value) and "\n" not in str(e.value), str(e.value)
+
+
+def test_pallas_impls_accepted_where_the_kernels_fit():
+    cfg = C.load(ROOT / "configs" / "deepseek_v2_lite.yaml",
+                 ["model.attention_impl=pallas", "model.moe_impl=pallas", "model.dtype=bfloat16"])
+    assert (cfg.model.attention_impl, cfg.model.moe_impl) == ("pallas", "pallas")
+
+
+def test_pallas_impl_refused_by_the_cli_before_the_run_dir(tmp_path):
+    run = tmp_path / "run"
+    p = subprocess.run([sys.executable, "-m", "dsjax.train", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                        "--set", "model.attention_impl=pallas", "--set", f"train.run_dir={run}"],
+                       capture_output=True, text=True, timeout=300)
+    assert p.returncode == 2 and "model.attention_impl=pallas does not fit model.dtype=float32" in p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert not run.exists()

@@ -218,6 +218,20 @@ def test_nan_validation_loss_never_ends_a_run_normally(corpus, tmp_path, capsys)
     assert capsys.readouterr().err == "dsjax.train: error: validation loss is nan at step 3: x\n"
 
 
+def test_an_error_in_the_first_evaluation_closes_the_writers(corpus, tmp_path, monkeypatch):
+    closed = []
+    for cls in (loop.MetricsWriter, loop.Checkpointer):
+        monkeypatch.setattr(cls, "close", lambda self, c=cls, f=cls.close: (closed.append(c.__name__), f(self)))
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("the kernel failed")
+
+    monkeypatch.setattr(loop, "evaluate", fail)
+    with pytest.raises(RuntimeError, match="the kernel failed"):
+        loop.train(small(corpus, tmp_path, "train.steps=1", "train.tensorboard=true"))
+    assert closed.count("MetricsWriter") == 1 and "Checkpointer" in closed  # no tensorboardX thread left
+
+
 # ---------------------------------------------------------------------------------------------
 # Resume: nothing rewritten before every input is checked; checksums and --resume-from-intact
 # ---------------------------------------------------------------------------------------------

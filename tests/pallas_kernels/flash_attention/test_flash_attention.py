@@ -293,6 +293,25 @@ def test_kernel_no_races(kernel_races):
     assert _rel(o, attention_naive(q, k, v, causal=True)[0]) < 1e-2
 
 
+def test_auto_on_hopper_takes_the_reference_where_the_kernel_does_not_fit(monkeypatch):
+    """On a Hopper GPU, impl="auto" runs the kernel only on inputs it takes: fp32 or head dims
+    that are not multiples of 64 go to the reference (impl="pallas" raises for them)."""
+    from pallas_kernels.flash_attention import api
+
+    monkeypatch.setattr(api, "on_hopper", lambda: True)
+    taken = []
+    real = api.flash_attention_mosaic
+    monkeypatch.setattr(api, "flash_attention_mosaic", lambda *a, **k: (taken.append(1), real(*a, **k))[1])
+    for dt, dqk, dv in ((jnp.float32, 64, 64), (jnp.bfloat16, 48, 32)):
+        q, k, v, _ = _inputs(4, 1, 64, 64, 2, 2, dqk, dv, dt)
+        o = flash_attention(q, k, v, causal=True, impl="auto")
+        assert o.dtype == dt and _rel(o, attention_naive(q, k, v, causal=True)[0]) < 1e-2
+        with pytest.raises(ValueError, match="bfloat16 or float16|multiples of 64"):
+            flash_attention(q, k, v, causal=True, impl="pallas")
+    assert len(taken) == 2  # the two impl="pallas" calls; "auto" never entered the kernel
+    assert api.supports(*_inputs(4, 1, 64, 64, 2, 2, 192, 128, jnp.bfloat16)[:3])
+
+
 def test_auto_dispatch_and_model_signature():
     """impl="auto" picks the reference off Hopper and gives the same numbers either way."""
     q, k, v, _ = _inputs(4, 1, 64, 64, 2, 2, 64, 64, jnp.bfloat16)
