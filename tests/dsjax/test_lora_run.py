@@ -72,6 +72,10 @@ def test_lora_run_from_base_resume_export_and_chat(qa, tmp_path):
     ck.save(0, runs.make_state(bcfg, p0, r0, tx), {}, C.to_dict(bcfg))
     ck.wait()
     ck.close()
+    # a base run's numerics and kernel switches may differ from this run's, its model may not
+    runs.load_base_run(base, cfg_for(qa, tmp_path / "x", "model.moe_recompute=true", "model.remat=full"))
+    with pytest.raises(C.ConfigError, match=r"model.rms_norm_eps=1e-05 but the checkpoint has 1e-06"):
+        runs.load_base_run(base, cfg_for(qa, tmp_path / "x", "model.rms_norm_eps=1e-5"))
     lora = ["lora.rank=4", "lora.alpha=8", "lora.dropout=0.1", "lora.target_modules=[all-linear, lm_head]",
             f"train.init_from={base}", "train.steps=4", "checkpoint.every=2"]
     a = cfg_for(qa, tmp_path / "a", *lora)
