@@ -7,7 +7,12 @@ import dataclasses
 import math
 import typing
 
+import jax
+
 from dsjax.config.schema import LORA_MLP, LORA_TARGETS, Config, ConfigError, _hint, _strip_optional
+from pallas_kernels.flash_attention.mosaic_common import check_supported
+from pallas_kernels.moe.api import pallas_unsupported
+from pallas_kernels.moe.mosaic_gpu import TileConfig
 
 
 _CHOICES = {
@@ -216,12 +221,8 @@ def _validate_kernels(m) -> None:
     reference where the kernels do not fit)."""
     if "pallas" not in (m.attention_impl, m.moe_impl):
         return
-    import jax
-
     dt = jax.numpy.dtype(m.dtype)
     if m.attention_impl == "pallas":
-        from pallas_kernels.flash_attention.mosaic_common import check_supported
-
         dqk = m.qk_nope_head_dim + m.qk_rope_head_dim
         q = jax.ShapeDtypeStruct((1, 128, m.num_attention_heads, dqk), dt)
         v = jax.ShapeDtypeStruct((1, 128, m.num_attention_heads, m.v_head_dim), dt)
@@ -232,9 +233,6 @@ def _validate_kernels(m) -> None:
                               f"qk_nope_head_dim + qk_rope_head_dim = {dqk}, v_head_dim={m.v_head_dim}: "
                               f"{err}; use attention_impl=auto or reference") from None
     if m.moe_impl == "pallas" and m.num_moe_layers > 0:
-        from pallas_kernels.moe.api import pallas_unsupported
-        from pallas_kernels.moe.mosaic_gpu import TileConfig
-
         rows = jax.ShapeDtypeStruct((TileConfig().tile_m, m.hidden_size), dt)
         gate = jax.ShapeDtypeStruct((m.n_routed_experts, m.hidden_size, m.moe_intermediate_size), dt)
         reason = pallas_unsupported(rows, gate)
