@@ -74,6 +74,7 @@ class ModelConfig:
     moe_impl: str = "auto"  # auto | pallas | reference
     remat: str = "none"  # none | full | dots_saveable
     moe_recompute: bool = False  # MoE blocks keep only the experts' gate/up GEMM outputs (and routed adapters' x A) for the backward and recompute the token permutation, SwiGLU and dense adapters (less activation memory)
+    round_logits: bool = False  # True: the lm_head writes its logits in the compute dtype and the loss upcasts them to fp32, as HF transformers' bf16/fp16 models do (half the loss's logit bytes); False: fp32 logits
     scan_layers: bool = False  # unrolled layers (faster: no stacked residual or gradient buffers); True: lax.scan over each stack (compile time independent of depth)
     router_bias_update_rate: float = 1e-3  # noaux_tc bias step (DeepSeek-V3 sec. 2.1.2, gamma)
     aux_loss_alpha: float = 0.0  # sequence-wise balance loss weight (DeepSeek-V3 eq. 17-20)

@@ -15,7 +15,10 @@ caller passes the objective's scale (`weight`, e.g. loss_scale / n_target_tokens
 backward multiplies the stored gradients by the objective's cotangent (1.0 under
 `jax.grad`, an exact multiply). Rounding matches `lm_head_matmul` + `log_softmax`: fp32 logits,
 the gradient weight * mask * (softmax - onehot) formed in fp32 and rounded to the compute dtype
-before the GEMMs (as torch autocast does for a bf16 lm_head), fp32 accumulation.
+before the GEMMs (as torch autocast does for a bf16 lm_head), fp32 accumulation. With
+`round_logits` the logits GEMM writes the compute dtype (fp32 accumulation) and everything after
+reads them upcast to fp32: HF transformers' rounding for a bf16 model (`lm_head` returns bf16
+logits, the loss calls `.float()`), with half the logit bytes of the fp32 path.
 """
 from __future__ import annotations
 
@@ -35,9 +38,21 @@ def num_chunks(B: int, T: int, V: int, chunk_bytes: int = LOGIT_CHUNK_BYTES) -> 
     return T
 
 
-def _chunk_grads(h, w, targets, mask, weight):
+def round_to(x, dtype):
+    """fp32 x rounded to the values of `dtype` (bf16 / fp16; fp32: unchanged), kept fp32.
+    `reduce_precision`, unlike a cast there and back, is never removed by XLA's excess-precision
+    simplification (`xla_allow_excess_precision`, on by default)."""
+    fi = jnp.finfo(dtype)
+    return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
+
+
+def _chunk_grads(h, w, targets, mask, weight, round_logits=False):
     """One chunk: h [B, t, D], targets/mask [B, t] -> (nll_sum fp32, dh [B, t, D], dw fp32 [D, V])."""
-    logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
+    if round_logits:  # the GEMM writes h.dtype (fp32 accumulation); read back as fp32
+        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=h.dtype)
+        logits = round_to(logits.astype(jnp.float32), h.dtype)
+    else:
+        logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
     m = jnp.max(logits, axis=-1, keepdims=True)
     lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
     tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
@@ -51,16 +66,16 @@ def _chunk_grads(h, w, targets, mask, weight):
     return nll_sum, dh, dw
 
 
-def _forward(h, w, targets, mask, weight, n_chunks):
+def _forward(h, w, targets, mask, weight, n_chunks, round_logits):
     B, T, D = h.shape
     targets = targets.astype(jnp.int32)
     if n_chunks == 1:
-        nll_sum, dh, dw = _chunk_grads(h, w, targets, mask, weight)
+        nll_sum, dh, dw = _chunk_grads(h, w, targets, mask, weight, round_logits)
     else:
         split = lambda x: jnp.moveaxis(x.reshape(B, n_chunks, T // n_chunks, *x.shape[2:]), 1, 0)  # noqa: E731
 
         def body(dw, xs):
-            nll, dh_c, dw_c = _chunk_grads(*xs[:1], w, *xs[1:], weight)
+            nll, dh_c, dw_c = _chunk_grads(*xs[:1], w, *xs[1:], weight, round_logits)
             return dw + dw_c, (nll, dh_c)
 
         dw0 = jnp.zeros(w.shape, jnp.float32)
@@ -70,8 +85,8 @@ def _forward(h, w, targets, mask, weight, n_chunks):
     return nll_sum, dh, dw.astype(w.dtype)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
-def lm_head_loss(h, w, targets, mask, weight, n_chunks=1):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6))
+def lm_head_loss(h, w, targets, mask, weight, n_chunks=1, round_logits=False):
     """Scaled and plain token cross-entropy of the logits h @ w, without keeping the logits.
 
     Args:
@@ -80,23 +95,25 @@ def lm_head_loss(h, w, targets, mask, weight, n_chunks=1):
       targets: [B, T] int target ids; mask: [B, T] (0/1, any dtype) tokens that count.
       weight: fp32 scalar, the objective's factor (loss_scale / n_target_tokens).
       n_chunks: static divisor of T (`num_chunks`); 1 keeps the whole [B, T, V] logits at once.
+      round_logits: static; True rounds the logits to h.dtype before the fp32 loss maths
+        (`model.round_logits`, HF's rounding); False keeps them fp32.
 
     Returns:
       (weight * nll_sum, nll_sum), fp32 scalars, with nll_sum = sum_t mask_t * (lse_t -
-      logit_t[target_t]) from fp32 logits. Only the first output carries a gradient (w.r.t. h
+      logit_t[target_t]) from the fp32 (or rounded, upcast) logits. Only the first output carries a gradient (w.r.t. h
       and w); nll_sum is for reporting and its cotangent is ignored. weight, targets and mask
       get no gradient.
     """
-    nll_sum, _, _ = _forward(h, w, targets, mask, weight, n_chunks)
+    nll_sum, _, _ = _forward(h, w, targets, mask, weight, n_chunks, round_logits)
     return weight * nll_sum, nll_sum
 
 
-def _fwd(h, w, targets, mask, weight, n_chunks):
-    nll_sum, dh, dw = _forward(h, w, targets, mask, weight, n_chunks)
+def _fwd(h, w, targets, mask, weight, n_chunks, round_logits):
+    nll_sum, dh, dw = _forward(h, w, targets, mask, weight, n_chunks, round_logits)
     return (weight * nll_sum, nll_sum), (dh, dw, targets, mask, weight)
 
 
-def _bwd(n_chunks, res, cts):
+def _bwd(n_chunks, round_logits, res, cts):
     dh, dw, targets, mask, weight = res
     ct = cts[0].astype(jnp.float32)
     scale = lambda x: (x.astype(jnp.float32) * ct).astype(x.dtype)  # noqa: E731

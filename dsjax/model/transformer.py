@@ -14,6 +14,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.decoder import DecoderLayer
 from dsjax.model.layers import Linear, RMSNorm, dtype_of
+from dsjax.model.lm_loss import round_to
 from dsjax.model.lora import dropout_key_data, layer_dropout
 from dsjax.model.moe import EXPERT_PROJS, MoE, expert_stacks
 from dsjax.model.mtp import MTP
@@ -191,8 +192,13 @@ class DeepSeekModel(nnx.Module):
         """h [B, T, D] -> logits [B, T, V] float32: the lm_head matmul takes compute-dtype inputs
         but writes fp32, so the cross-entropy never sees bf16-rounded logits (a bf16 log-softmax
         over a 100k vocabulary visibly quantises the loss; HF keeps them in the model dtype).
-        Training uses `dsjax.model.lm_loss.lm_head_loss`, which never keeps these logits."""
-        return lm_head_matmul(h, self.lm_head_weight(h.dtype))
+        With `model.round_logits` they are rounded to the compute dtype and returned upcast to
+        fp32, HF's values. Training uses `dsjax.model.lm_loss.lm_head_loss`, which never keeps
+        these logits."""
+        logits = lm_head_matmul(h, self.lm_head_weight(h.dtype))
+        if self.cfg.round_logits:
+            logits = round_to(logits, h.dtype)
+        return logits
 
     def __call__(self, tokens, positions=None, segment_ids=None):
         h, aux = self.hidden_states(tokens, positions, segment_ids)

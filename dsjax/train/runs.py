@@ -52,7 +52,7 @@ def load_base_run(run_dir, cfg: Config) -> tuple[dict, dict]:
     Raises ConfigError naming the first model field that differs from `cfg.model` (numerics
     and kernel switches may differ), FileNotFoundError when RUN_DIR has no checkpoints."""
     theirs, params, rest, step = restore_run(run_dir)
-    free = {"dtype", "weight_dtype", "attention_impl", "moe_impl", "remat", "moe_recompute",
+    free = {"dtype", "weight_dtype", "attention_impl", "moe_impl", "remat", "moe_recompute", "round_logits",
             "scan_layers", "initializer_range", "router_bias_update_rate", "aux_loss_alpha",
             "mtp_loss_weight"}
     for f in dataclasses.fields(cfg.model):

@@ -141,7 +141,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         # chunks along T keep the batch axis's sharding; a context-sharded T is not chunked
         n_chunks = 1 if shr.context_parallel_active() else num_chunks(B, T, mcfg.vocab_size)
         lm_obj, nll_sum = lm_head_loss(h, w_out, mb["targets"], mb["loss_mask"], scale / n_total,
-                                       n_chunks)
+                                       n_chunks, mcfg.round_logits)
         obj = jnp.zeros((), jnp.float32)
         if has_moe:
             # the model averages seq_aux over this micro-batch's sequences with real tokens and
@@ -158,7 +158,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             for k, hk in enumerate(mtp_h):
                 tgt, mask = mtp_targets(mb["targets"], mb["loss_mask"], k)
                 w_k = scale * mcfg.mtp_loss_weight / n_mtp / n_mtp_total[k]
-                mtp_obj, s_k = lm_head_loss(hk, w_out, tgt, mask, w_k, n_chunks)
+                mtp_obj, s_k = lm_head_loss(hk, w_out, tgt, mask, w_k, n_chunks, mcfg.round_logits)
                 lm_obj = lm_obj + mtp_obj
                 sums.append(s_k)
             aux = dict(aux, mtp_nll=jnp.stack(sums))

@@ -59,6 +59,30 @@ def test_lm_head_loss_chunks_agree_and_scale_by_cotangent():
     assert _rel(g1[0], g_ref[0]) < 1e-6 and _rel(g1[1], g_ref[1]) < 1e-6
 
 
+@pytest.mark.parametrize("n_chunks", [1, 4])
+def test_round_logits_is_hf_rounding(n_chunks):
+    """round_logits: the loss and gradients of log_softmax autodiff on logits rounded to bf16
+    and upcast (HF's `lm_head(h).float()`), and not those of fp32 logits."""
+    h, w, t, m = _inputs(jnp.bfloat16, V=4096)
+    h, w = (8 * h.astype(jnp.float32)).astype(jnp.bfloat16), w  # logits ~ 10: bf16 spacing 0.06
+    weight = jnp.float32(1 / 11)
+
+    def hf(h, w):
+        logits = jnp.dot(h, w, preferred_element_type=jnp.float32).astype(jnp.bfloat16).astype(jnp.float32)
+        nll = -jnp.take_along_axis(jax.nn.log_softmax(logits, axis=-1), t[..., None], axis=-1)[..., 0]
+        return weight * jnp.sum(nll * m)
+
+    f = lambda h, w: lm_head_loss(h, w, t, m, weight, n_chunks, True)[0]  # noqa: E731
+    obj, g = jax.value_and_grad(f, (0, 1))(h, w)
+    ref, g_ref = jax.value_and_grad(hf, (0, 1))(h, w)
+    exact = float(_reference(h, w, t, m, weight))
+    assert abs(float(obj) - float(ref)) <= 1e-5 * abs(float(ref))
+    assert abs(float(obj) - exact) > 10 * abs(float(obj) - float(ref))  # the rounding shows
+    g_ref = [x.astype(jnp.float32) for x in g_ref]
+    assert g[0].dtype == g[1].dtype == jnp.bfloat16
+    assert _rel(g[0], g_ref[0]) < 6e-3 and _rel(g[1], g_ref[1]) < 6e-3
+
+
 def test_num_chunks():
     assert num_chunks(4, 2048, 102400) == 4      # 2048 tokens x 102400 x 4 B = 0.84 GB per chunk
     assert num_chunks(32, 128, 512) == 1

@@ -433,3 +433,23 @@ def test_a_new_run_moves_a_leftover_metrics_file_aside(tmp_path):
     assert not (tmp_path / "metrics.jsonl.tmp").exists()
     w = MetricsWriter(tmp_path, tensorboard=False, primary=False, start_step=0)  # not process 0
     assert w.file is None and (tmp_path / "metrics.jsonl").read_text().count("\n") == 1
+
+
+@pytest.mark.parametrize("round_logits", [False, True])
+def test_train_and_eval_losses_agree_with_rounded_or_fp32_logits(tmp_path, round_logits):
+    """The train step's fused loss and the eval step's logits + log_softmax give one loss for
+    the same weights and batch, with `model.round_logits` (bf16 logits, HF's rounding) and
+    without; the rounding moves the bf16 loss off the fp32-logit one."""
+    from dsjax.train.step import make_eval_step
+    big = "model.initializer_range=0.5"  # logits of a few units: their bf16 rounding shows in the loss
+    cfg = _small(tmp_path, "model.dtype=bfloat16", big, f"model.round_logits={str(round_logits).lower()}")
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    state = init_state(p, r, tx)
+    batch = _batch(cfg, 0, 1)
+    _, m = jax.jit(make_train_step(cfg, fns, tx, sched))(state, batch)
+    nll, n = jax.jit(make_eval_step(cfg, fns))(p, r, jax.tree.map(lambda x: x[0], batch))
+    assert abs(float(m["loss"]) - float(nll / n)) < 1e-5 * float(nll / n)
+    flip = _small(tmp_path, "model.dtype=bfloat16", big, f"model.round_logits={str(not round_logits).lower()}")
+    nll_flip, _ = jax.jit(make_eval_step(flip, init_model(flip)[0]))(p, r, jax.tree.map(lambda x: x[0], batch))
+    assert 0 < abs(float(nll_flip - nll)) < 1e-2 * float(nll)
