@@ -30,7 +30,14 @@ _FIRST = 5  # names listed per problem kind in error messages
 
 
 def read_hf_config(path: str | Path) -> dict:
+    """The HF config of a checkpoint: `path` is its directory, one of its files (the
+    config.json beside it is read, also for its `*.safetensors.index.json`), or a JSON config
+    file itself.
+
+    Raises FileNotFoundError naming the directory when there is no config.json."""
     p = Path(path)
+    if p.is_file() and p.suffix == ".json" and not p.name.endswith(".index.json"):
+        return json.loads(p.read_text())
     f = p / "config.json" if p.is_dir() else p.parent / "config.json"
     if not f.is_file():
         raise FileNotFoundError(f"hf: no config.json in {f.parent}")

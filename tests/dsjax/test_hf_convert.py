@@ -448,3 +448,17 @@ def test_fp8_weight_without_its_scale_is_an_error(tmp_path):
     ck = SafetensorsCheckpoint(tmp_path)
     with pytest.raises(CheckpointError, match="o_proj.weight: stored as float8_e4m3fn.*no .*weight_scale_inv"):
         ck.read_dequant("model.layers.0.self_attn.o_proj.weight")
+
+
+def test_read_hf_config_from_a_directory_a_checkpoint_file_or_a_json_file(tmp_path):
+    from dsjax.hf.load import read_hf_config
+    (tmp_path / "config.json").write_text('{"model_type": "deepseek_v3"}')
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    (tmp_path / "other.json").write_text('{"model_type": "deepseek_v2"}')
+    for p in ("", "model.safetensors", "model.safetensors.index.json", "config.json"):
+        assert read_hf_config(tmp_path / p) == {"model_type": "deepseek_v3"}, p
+    assert read_hf_config(tmp_path / "other.json") == {"model_type": "deepseek_v2"}
+    with pytest.raises(FileNotFoundError, match=f"hf: no config.json in {tmp_path / 'sub'}"):
+        (tmp_path / "sub").mkdir()
+        read_hf_config(tmp_path / "sub")
