@@ -5,6 +5,8 @@ has, and how to run a kernel in GPU interpret mode (a CPU simulation, for tests)
 from __future__ import annotations
 
 import functools
+import os
+import warnings
 
 import jax
 import numpy as np
@@ -44,8 +46,30 @@ def num_sms() -> int:
     return int(jax.devices()[0].core_count) if on_hopper() else INTERPRET_SMS
 
 
+INTERPRET_MIN_CPU_THREADS = 8
+
+
+@functools.cache
+def _warn_small_cpu_pool() -> None:
+    """GPU interpret mode runs each simulated warpgroup as its own XLA:CPU computation from a
+    host callback, and a warpgroup waiting at a named barrier holds its thread; under `jax.jit`
+    XLA may run the callbacks on its CPU thread pool, which then has no thread left for the other
+    warpgroups: a deadlock at 0 % CPU. The pool has one thread per core unless PJRT_NPROC (or
+    NPROC) says otherwise; the hang was seen with 2 threads and one CPU device (a jitted
+    projection + RoPE + flash attention, most runs), never with PJRT_NPROC >= 3 or with 8 host
+    devices (`--xla_force_host_platform_device_count=8`, as the tests run)."""
+    threads = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC") or os.cpu_count() or 1
+    if int(threads) < INTERPRET_MIN_CPU_THREADS and jax.local_device_count() == 1:
+        warnings.warn(f"Mosaic GPU interpret mode under jax.jit can deadlock with {threads} XLA CPU "
+                      f"threads: set PJRT_NPROC={INTERPRET_MIN_CPU_THREADS} in the environment before "
+                      f"jax starts", RuntimeWarning, stacklevel=3)
+
+
 def interpret_params(**kw):
-    """`plgpu.InterpretGPUParams(**kw)` with named barriers simulated as compiled."""
+    """`plgpu.InterpretGPUParams(**kw)` with named barriers simulated as compiled. Warns once
+    when the CPU's thread pool is small enough for interpret mode to deadlock under `jax.jit`
+    (`_warn_small_cpu_pool`)."""
+    _warn_small_cpu_pool()
     return plgpu.InterpretGPUParams(inline_mgpu=INTERPRET_NAMED_BARRIERS, **kw)
 
 

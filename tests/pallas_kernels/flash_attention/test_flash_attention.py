@@ -3,7 +3,10 @@
 Hopper GPU the same cases run compiled (`impl="pallas"` picks the mode from the backend) when
 the run sets JAX_PLATFORMS=cuda (tests/conftest.py defaults it to cpu)."""
 import dataclasses
+import os
+import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -319,3 +322,51 @@ def test_auto_dispatch_and_model_signature():
     r = attention_naive(q, k, v, causal=True, scale=0.1)[0]
     assert o.shape == (1, 64, 2, 64) and o.dtype == jnp.bfloat16
     assert _rel(o, r) < 1e-2
+
+
+# A projection, RoPE and in-jit segment ids before the kernel, all under jax.jit: with 2 XLA:CPU
+# threads and one CPU device this deadlocked in most runs (`_hopper._warn_small_cpu_pool`).
+_JIT_SCRIPT = """
+import jax, jax.numpy as jnp
+from pallas_kernels.flash_attention import flash_attention
+T = 256
+ks = jax.random.split(jax.random.key(0), 4)
+x = jax.random.normal(ks[0], (1, T, 64), jnp.bfloat16)
+wq = (jax.random.normal(ks[1], (64, 128)) / 8).astype(jnp.bfloat16)
+k, v = (jax.random.normal(kk, (1, T, 2, 64), jnp.bfloat16) for kk in ks[2:])
+pos = jnp.arange(T * 16, dtype=jnp.float32).reshape(1, T, 16) / 100
+def f(x, wq, k, v):
+    q = (x @ wq).reshape(1, T, 2, 64)
+    a, b = q[..., 32:48].astype(jnp.float32), q[..., 48:].astype(jnp.float32)
+    c, s = jnp.cos(pos)[:, :, None], jnp.sin(pos)[:, :, None]
+    q = jnp.concatenate([q[..., :32], (a * c - b * s).astype(q.dtype), (b * c + a * s).astype(q.dtype)], -1)
+    seg = jnp.ones((1, T), jnp.int32)
+    return flash_attention(q, k, v, causal=True, impl="pallas", segment_ids=seg).astype(jnp.float32).mean()
+g = jax.jit(jax.grad(f, (0, 1, 2, 3)))(x, wq, k, v)
+print("finite", all(bool(jnp.isfinite(t.astype(jnp.float32)).all()) for t in g), jax.local_device_count())
+"""
+
+
+def test_interpret_mode_under_jit_on_one_cpu_device_with_the_advised_pool():
+    """The jitted gradient through the kernel in a process with one CPU device finishes with
+    PJRT_NPROC at the advised size, without a warning."""
+    env = dict(os.environ, PJRT_NPROC="8", XLA_FLAGS="--xla_backend_optimization_level=0", JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-W", "error::RuntimeWarning", "-c", _JIT_SCRIPT], env=env,
+                       capture_output=True, text=True, timeout=240, cwd=Path(__file__).parents[3])
+    assert p.returncode == 0 and p.stdout.split() == ["finite", "True", "1"], p.stderr[-2000:]
+
+
+def test_small_cpu_pool_warns_once(monkeypatch):
+    from pallas_kernels import _hopper
+    monkeypatch.setattr(_hopper.jax, "local_device_count", lambda: 1)
+    for threads, warns in (("2", True), ("8", False)):
+        monkeypatch.setenv("PJRT_NPROC", threads)
+        _hopper._warn_small_cpu_pool.cache_clear()
+        with warnings.catch_warnings(record=True) as got:
+            warnings.simplefilter("always")
+            interpret_params()
+            interpret_params()
+        msgs = [str(w.message) for w in got if issubclass(w.category, RuntimeWarning)]
+        assert msgs == (["Mosaic GPU interpret mode under jax.jit can deadlock with 2 XLA CPU threads: set "
+                         "PJRT_NPROC=8 in the environment before jax starts"] if warns else []), msgs
+    _hopper._warn_small_cpu_pool.cache_clear()
