@@ -100,9 +100,9 @@ def lm_head_loss(h, w, targets, mask, weight, n_chunks=1, round_logits=False):
 
     Returns:
       (weight * nll_sum, nll_sum), fp32 scalars, with nll_sum = sum_t mask_t * (lse_t -
-      logit_t[target_t]) from the fp32 (or rounded, upcast) logits. Only the first output carries a gradient (w.r.t. h
-      and w); nll_sum is for reporting and its cotangent is ignored. weight, targets and mask
-      get no gradient.
+      logit_t[target_t]) from the fp32 (or rounded, upcast) logits. Only the first output
+      carries a gradient (w.r.t. h and w); nll_sum is for reporting and its cotangent is
+      ignored. weight, targets and mask get no gradient.
     """
     nll_sum, _, _ = _forward(h, w, targets, mask, weight, n_chunks, round_logits)
     return weight * nll_sum, nll_sum
