@@ -319,17 +319,6 @@ def test_damaged_checkpoint_named_and_fallback_only_on_request(corpus, finished_
     assert ck.latest_step() == 6 and ck.verify(4) is None and ck.verify(6) is None
 
 
-def test_a_step_damaged_again_moves_aside_under_a_new_name(tmp_path):
-    ckpt, aside = tmp_path / "checkpoints", tmp_path / "checkpoints-damaged"
-    moved = []
-    for i in range(3):  # step 12 damaged, the run continued from 10 and wrote 12 again, ...
-        (ckpt / "12").mkdir(parents=True)
-        (ckpt / "12" / "f").write_text(str(i))
-        moved.append(loop.move_aside(ckpt / "12", aside))
-    assert moved == [aside / "12", aside / "12.1", aside / "12.2"]
-    assert [(p / "f").read_text() for p in moved] == ["0", "1", "2"] and not (ckpt / "12").exists()
-
-
 def tb_events(tb_dir):
     """Every event of every TensorBoard file in tb_dir: [(file, Event)] (TFRecord framing:
     u64 length, u32 crc, payload, u32 crc)."""

@@ -453,3 +453,14 @@ def test_train_and_eval_losses_agree_with_rounded_or_fp32_logits(tmp_path, round
     flip = _small(tmp_path, "model.dtype=bfloat16", big, f"model.round_logits={str(not round_logits).lower()}")
     nll_flip, _ = jax.jit(make_eval_step(flip, init_model(flip)[0]))(p, r, jax.tree.map(lambda x: x[0], batch))
     assert 0 < abs(float(nll_flip - nll)) < 1e-2 * float(nll)
+
+
+def test_a_step_damaged_again_moves_aside_under_a_new_name(tmp_path):
+    ckpt, aside = tmp_path / "checkpoints", tmp_path / "checkpoints-damaged"
+    moved = []
+    for i in range(3):  # step 12 damaged, the run continued from 10 and wrote 12 again, ...
+        (ckpt / "12").mkdir(parents=True)
+        (ckpt / "12" / "f").write_text(str(i))
+        moved.append(loop.move_aside(ckpt / "12", aside))
+    assert moved == [aside / "12", aside / "12.1", aside / "12.2"]
+    assert [(p / "f").read_text() for p in moved] == ["0", "1", "2"] and not (ckpt / "12").exists()
