@@ -2,6 +2,7 @@
 
     python benchmarks/train_step.py [--layers 4] [--batch 4] [--seq 2048] [--steps 10]
         [--dsjax default,matched] [--peers hf,hf_compile] [--profile DIR] [--set KEY=VALUE ...]
+        [--paired KEY=VALUE ... [--rounds N]]
 
 Model: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank 512, nope/rope/v 128/64/128,
 64 routed experts top-6, 2 shared, moe_intermediate 1408, intermediate 10944,
@@ -21,7 +22,9 @@ against 989 TFLOP/s dense bf16), peak device memory (dsjax: the allocator's
 peer. `--profile DIR` traces three more dsjax steps and prints each row's device time per part
 of the step (attention, experts, dense GEMMs, lm_head + loss, optimizer, ...). Under the table,
 each row's median SM clock and power over its timed steps and its energy per step
-(`gpu_power.py`, read through NVML): whether the row ran at the GPU's power cap.
+(`gpu_power.py`, read through NVML): whether the row ran at the GPU's power cap. `--paired
+KEY=VALUE ...` runs each dsjax row without and with those overrides back to back (`--rounds` times)
+and prints the change, for comparing a variant within one call.
 """
 from __future__ import annotations
 
@@ -320,24 +323,45 @@ def run_hf(args, peer: str) -> dict:
     return {"row": label, **json.loads(r.stdout.strip().splitlines()[-1])}
 
 
-def run_child(args, row: str, profile: bool = False) -> dict:
-    """A dsjax row in its own process (own allocator peak, own XLA flags). With `profile`, the
-    process traces three steps with XLA's command buffers off, so that every kernel is
-    attributed to its HLO op (inside a CUDA graph the trace sees one event per graph)."""
+def run_child(args, row: str, profile: bool = False, extra: tuple = ()) -> dict:
+    """A dsjax row in its own process (own allocator peak, own XLA flags), with `extra` config
+    overrides after --set's. With `profile`, the process traces three steps with XLA's command
+    buffers off, so that every kernel is attributed to its HLO op (inside a CUDA graph the trace
+    sees one event per graph)."""
     cmd = [sys.executable, __file__, "--child", row, "--layers", str(args.layers), "--batch", str(args.batch),
            "--seq", str(args.seq), "--steps", str(args.steps if not profile else 2)]
     cmd += (["--profile", args.profile] if profile else []) + (["--hlo", args.hlo] if args.hlo and profile else [])
-    cmd += ["--set", *args.set] if args.set else []
+    sets = list(args.set) + list(extra)
+    cmd += ["--set", *sets] if sets else []
     env = dict(os.environ)
     if profile:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
+    label = f"dsjax {row}" + "".join(f" + {e}" for e in extra)
     if r.returncode != 0 or not lines:
         err = "out of memory" if "RESOURCE_EXHAUSTED" in r.stderr else (r.stderr.strip().splitlines() or ["?"])[-1][-200:]
-        return {"row": f"dsjax {row}", "error": err}
-    return json.loads(lines[-1])
+        return {"row": label, "error": err}
+    return {**json.loads(lines[-1]), "row": label}
+
+
+def paired_lines(results: list, rows: list, extra: tuple) -> list:
+    """Per dsjax row: mean step ms and peak GB without and with the `--paired` overrides over the
+    rounds, the change, and each round's change (A, B of one round ran back to back)."""
+    out = [f"\npaired: {' '.join(extra)} (A without, B with; rounds run A, B back to back)"]
+    for row in rows:
+        a = [r for r in results if r["row"] == f"dsjax {row}" and "error" not in r]
+        b = [r for r in results if r["row"] == f"dsjax {row}" + "".join(f" + {e}" for e in extra) and "error" not in r]
+        if not a or len(a) != len(b):
+            out.append(f"  {row}: incomplete ({len(a)} A, {len(b)} B runs without errors)")
+            continue
+        ma, mb = (sum(r["step_ms"] for r in x) / len(x) for x in (a, b))
+        per = ", ".join(f"{y['step_ms'] - x['step_ms']:+.1f}" for x, y in zip(a, b))
+        pa, pb = a[-1].get("peak_gb"), b[-1].get("peak_gb")
+        peak = f"peak {pa:.2f} -> {pb:.2f} GB" if pa and pb else "peak not read"
+        out.append(f"  {row}: {ma:.1f} -> {mb:.1f} ms ({mb - ma:+.1f} ms, {(mb - ma) / ma:+.1%}; per round {per}); {peak}")
+    return out
 
 
 def main() -> None:
@@ -354,6 +378,10 @@ def main() -> None:
                    "buffers off) into DIR/ROW and prints the device time per part of the step")
     p.add_argument("--profile-rows", default="", help="comma list: profile only these dsjax rows")
     p.add_argument("--hlo", default="", help="write each dsjax row's compiled HLO to DIR/ROW.hlo.txt")
+    p.add_argument("--paired", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
+                   help="run every dsjax row without (A) and with (B) these overrides, back to back, "
+                   "and print the change")
+    p.add_argument("--rounds", type=int, default=1, help="with --paired: A, B rounds (alternating)")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -372,9 +400,16 @@ def main() -> None:
     for name in peers:
         if name not in HF_ROWS:
             p.error(f"--peers: unknown peer {name!r} (have {sorted(HF_ROWS)})")
-    results = [run_child(args, r) for r in rows]
-    if args.profile:
-        for res, r in zip(results, rows):
+    extra = tuple(args.paired)
+    results = []
+    for _ in range(args.rounds if extra else 1):
+        for r in rows:
+            results.append(run_child(args, r))
+            if extra:
+                results.append(run_child(args, r, extra=extra))
+    if args.profile:  # each row's first run (A with --paired)
+        for r in rows:
+            res = next(x for x in results if x["row"] == f"dsjax {r}")
             if args.profile_rows and r not in args.profile_rows.split(","):
                 continue
             prof = run_child(args, r, profile=True)
@@ -398,6 +433,8 @@ def main() -> None:
     for r in results:
         if "error" not in r:
             print(f"  {r['row']}: {describe(r.get('gpu'), args.steps)}")
+    if extra:
+        print("\n".join(paired_lines(results, rows, extra)))
     for r in results:
         if "parts_ms" in r:
             print(format_parts(r["row"], r["parts_ms"], r.get("step_ms_no_command_buffers")))
