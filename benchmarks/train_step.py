@@ -323,6 +323,11 @@ def run_hf(args, peer: str) -> dict:
     return {"row": label, **json.loads(r.stdout.strip().splitlines()[-1])}
 
 
+def row_label(row: str, extra: tuple = ()) -> str:
+    """A dsjax row's name in the table: "dsjax ROW", plus " + KEY=VALUE" per `--paired` override."""
+    return f"dsjax {row}" + "".join(f" + {e}" for e in extra)
+
+
 def run_child(args, row: str, profile: bool = False, extra: tuple = ()) -> dict:
     """A dsjax row in its own process (own allocator peak, own XLA flags), with `extra` config
     overrides after --set's. With `profile`, the process traces three steps with XLA's command
@@ -339,7 +344,7 @@ def run_child(args, row: str, profile: bool = False, extra: tuple = ()) -> dict:
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    label = f"dsjax {row}" + "".join(f" + {e}" for e in extra)
+    label = row_label(row, extra)
     if r.returncode != 0 or not lines:
         err = "out of memory" if "RESOURCE_EXHAUSTED" in r.stderr else (r.stderr.strip().splitlines() or ["?"])[-1][-200:]
         return {"row": label, "error": err}
@@ -351,8 +356,8 @@ def paired_lines(results: list, rows: list, extra: tuple) -> list:
     rounds, the change, and each round's change (A, B of one round ran back to back)."""
     out = [f"\npaired: {' '.join(extra)} (A without, B with; rounds run A, B back to back)"]
     for row in rows:
-        a = [r for r in results if r["row"] == f"dsjax {row}" and "error" not in r]
-        b = [r for r in results if r["row"] == f"dsjax {row}" + "".join(f" + {e}" for e in extra) and "error" not in r]
+        a = [r for r in results if r["row"] == row_label(row) and "error" not in r]
+        b = [r for r in results if r["row"] == row_label(row, extra) and "error" not in r]
         if not a or len(a) != len(b):
             out.append(f"  {row}: incomplete ({len(a)} A, {len(b)} B runs without errors)")
             continue
@@ -409,7 +414,7 @@ def main() -> None:
                 results.append(run_child(args, r, extra=extra))
     if args.profile:  # each row's first run (A with --paired)
         for r in rows:
-            res = next(x for x in results if x["row"] == f"dsjax {r}")
+            res = next(x for x in results if x["row"] == row_label(r))
             if args.profile_rows and r not in args.profile_rows.split(","):
                 continue
             prof = run_child(args, r, profile=True)
