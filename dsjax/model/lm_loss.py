@@ -74,14 +74,19 @@ def _forward(h, w, targets, mask, weight, n_chunks, round_logits):
     else:
         split = lambda x: jnp.moveaxis(x.reshape(B, n_chunks, T // n_chunks, *x.shape[2:]), 1, 0)  # noqa: E731
 
+        chunk = lambda xs: _chunk_grads(xs[0], w, xs[1], xs[2], weight, round_logits)  # noqa: E731
+
         def body(dw, xs):
-            nll, dh_c, dw_c = _chunk_grads(*xs[:1], w, *xs[1:], weight, round_logits)
+            nll, dh_c, dw_c = chunk(xs)
             return dw + dw_c, (nll, dh_c)
 
-        dw0 = jnp.zeros(w.shape, jnp.float32)
-        dw, (nll, dh) = jax.lax.scan(body, dw0, (split(h), split(targets), split(mask)))
-        nll_sum = jnp.sum(nll)
-        dh = jnp.moveaxis(dh, 0, 1).reshape(B, T, D)
+        xs = (split(h), split(targets), split(mask))
+        # The first chunk's dw starts the sum (equal to 0 + dw_0): no zero-filled fp32 [D, V]
+        # buffer and no read of it by the first chunk's dw GEMM.
+        nll0, dh0, dw = chunk(tuple(x[0] for x in xs))
+        dw, (nll, dh) = jax.lax.scan(body, dw, tuple(x[1:] for x in xs))
+        nll_sum = jnp.sum(jnp.concatenate([nll0[None], nll]))
+        dh = jnp.moveaxis(jnp.concatenate([dh0[None], dh]), 0, 1).reshape(B, T, D)
     return nll_sum, dh, dw.astype(w.dtype)
 
 
