@@ -106,7 +106,7 @@ def state_bytes(cfg, n_devices: int) -> dict:
 
 
 def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
-                   hopper_kernels: bool = True) -> dict:
+                   hopper_kernels: bool = True, hlo: bool = False) -> dict:
     """Compile cfg's train step on the first n_devices devices; returns bytes per device.
 
     Args:
@@ -117,6 +117,7 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
         False: the choices of the compiling backend (on CPU the jnp references).
       explain_top: > 0 with XLA dumping to $DSJAX_PLAN_DUMP (`_child_env`): also return
         "explain", `plan_explain.explain` of this compile (the temp buffers live at its peak).
+      hlo: also return "hlo", the compiled module's text (`compiled.as_text()`).
     Returns:
       bytes per device: params (trainable), optimizer, frozen (LoRA / lora.freeze: frozen
         weights in the compute dtype), rest (router biases, scalars), batch (sharding-
@@ -153,6 +154,8 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
     if explain_top and os.environ.get("DSJAX_PLAN_DUMP"):
         out["explain"] = plan_explain.explain(os.environ["DSJAX_PLAN_DUMP"], EXPLAIN_MODULE,
                                               explain_top)
+    if hlo:
+        out["hlo"] = compiled.as_text()
     return out
 
 

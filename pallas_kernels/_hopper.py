@@ -4,6 +4,7 @@ has, and how to run a kernel in GPU interpret mode (a CPU simulation, for tests)
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import warnings
@@ -22,28 +23,53 @@ INTERPRET_SMS = 2
 INTERPRET_NAMED_BARRIERS = "_hack_model_inline_mgpu_tokamax"
 
 
-@functools.lru_cache(maxsize=None)
-def on_hopper() -> bool:
-    """True when the default device is an NVIDIA GPU of compute capability 9.x (H100, H200)."""
+# The device the kernels are chosen, sized and lowered for while `target_device` is active.
+_TARGET: list = [None]
+
+
+@contextlib.contextmanager
+def target_device(device):
+    """While active, `on_hopper`, `on_gpu` and `num_sms` describe `device` instead of the default
+    device, so kernel dispatch and lowering target it: e.g. a compile-only device of a
+    `jax.experimental.topologies` GPU topology, to compile a step for a Hopper GPU ahead of time
+    on a machine without one (`benchmarks/step_bytes.py`). `device` needs `platform`,
+    `compute_capability` and `core_count`, as jax's GPU devices have. Not thread-safe; kernels
+    already traced by `lower_once` keep the target they were traced for."""
+    prev = _TARGET[0]
+    _TARGET[0] = device
     try:
-        dev = jax.devices()[0]
+        yield
+    finally:
+        _TARGET[0] = prev
+
+
+def _device():
+    if _TARGET[0] is not None:
+        return _TARGET[0]
+    try:
+        return jax.devices()[0]
     except RuntimeError:
-        return False
-    return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+        return None
+
+
+def on_hopper() -> bool:
+    """True when the target device (`target_device`, else the default device) is an NVIDIA GPU
+    of compute capability 9.x (H100, H200)."""
+    dev = _device()
+    return (dev is not None and dev.platform == "gpu"
+            and str(getattr(dev, "compute_capability", "")).startswith("9"))
 
 
 def on_gpu() -> bool:
-    """True when the default device is a GPU (of any kind)."""
-    try:
-        return jax.devices()[0].platform == "gpu"
-    except RuntimeError:
-        return False
+    """True when the target device (`target_device`, else the default device) is a GPU."""
+    dev = _device()
+    return dev is not None and dev.platform == "gpu"
 
 
 def num_sms() -> int:
-    """Streaming multiprocessors of the default GPU (132 on an H100 SXM / H200); INTERPRET_SMS
+    """Streaming multiprocessors of the target GPU (132 on an H100 SXM / H200); INTERPRET_SMS
     off a Hopper GPU."""
-    return int(jax.devices()[0].core_count) if on_hopper() else INTERPRET_SMS
+    return int(_device().core_count) if on_hopper() else INTERPRET_SMS
 
 
 INTERPRET_MIN_CPU_THREADS = 8

@@ -178,7 +178,7 @@ def global_batch(par: Parallel, local: dict, accum: int | None = None) -> dict:
 def jit_train_step(cfg: C.Config, fns, tx, schedule, par: Parallel, shardings: dict):
     """The train step jitted with state/batch shardings, donated state and replicated metrics,
     traced under the sharding context (ring attention, EP, activation constraints)."""
-    step = make_train_step(cfg, fns, tx, schedule)
+    step = make_train_step(cfg, fns, tx, schedule, platform=par.mesh.devices.flat[0].platform)
 
     def traced(state, batch):
         with shr.use_sharding(par.ctx):

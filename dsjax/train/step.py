@@ -110,8 +110,12 @@ def real_counts(segment_ids):
 
 
 def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation,
-                    schedule: Callable) -> Callable:
-    """Returns `train_step(state, batch) -> (state, metrics)` (to be jitted with donated state)."""
+                    schedule: Callable, platform: str | None = None) -> Callable:
+    """Returns `train_step(state, batch) -> (state, metrics)` (to be jitted with donated state).
+
+    `platform`: what the step is compiled for ("gpu", "cpu"; default `jax.default_backend()`),
+    the platform of the mesh's devices, which an ahead-of-time compile for a GPU topology sets
+    on a machine without one."""
     mcfg = cfg.model
     fp16 = mcfg.dtype == "float16"
     n_accum = cfg.train.grad_accum
@@ -128,7 +132,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     # into two passes over gradients and moments (+10 bytes per parameter with fp32 moments).
     # Elsewhere (XLA:CPU, which also compiles `dsjax.plan`) the split avoids a copy of every
     # moment.
-    split_moment_update = jax.default_backend() != "gpu"
+    split_moment_update = (platform or jax.default_backend()) != "gpu"
 
     def micro_loss(params, rest, mb, n_total, scale, n_mtp_total, n_real):
         """The micro-batch's share of the loss objective times `scale`: the lm_head + cross-

@@ -464,3 +464,21 @@ def test_a_step_damaged_again_moves_aside_under_a_new_name(tmp_path):
         moved.append(loop.move_aside(ckpt / "12", aside))
     assert moved == [aside / "12", aside / "12.1", aside / "12.2"]
     assert [(p / "f").read_text() for p in moved] == ["0", "1", "2"] and not (ckpt / "12").exists()
+
+
+def test_the_gpu_update_pass_gives_the_state_of_the_split_one(tmp_path):
+    """`make_train_step(platform="gpu")` updates weights and moments in one pass (XLA:GPU's
+    fusion), `platform="cpu"` in two ordered by a barrier: the same state, bit for bit, including
+    after a non-finite step (both keep the old state)."""
+    cfg = _small(tmp_path, "model.dtype=bfloat16")
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    out = {}
+    for platform in ("gpu", "cpu"):
+        step = jax.jit(make_train_step(cfg, fns, tx, sched, platform=platform))
+        state, _ = step(init_state(p, r, tx), _batch(cfg, 0, 1))
+        state, m = step(state, _batch(cfg, 1, 1, nan_at=2))
+        out[platform] = (state, bool(m["finite"]))
+    assert out["gpu"][1] is out["cpu"][1] is False
+    assert int(out["gpu"][0]["step"]) == int(out["cpu"][0]["step"]) == 1
+    _assert_same_training_state(out["gpu"][0], out["cpu"][0])
