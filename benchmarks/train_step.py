@@ -10,7 +10,8 @@ first_k_dense_replace 1, bf16 compute. Rows (each in its own process, so peak me
 are its own):
 
   dsjax default   fp32 master weights, fp32 Adam moments (what `python -m dsjax.train` runs)
-  dsjax matched   bf16 weights and bf16 Adam moments: the numerics the HF bf16 peers train with
+  dsjax matched   bf16 weights, bf16 Adam moments and bf16 logits (`model.round_logits`): the
+                  numerics the HF bf16 peers train with
   hf / hf_compile HF transformers DeepseekV2ForCausalLM, bf16 weights (so bf16 AdamW state),
                   fused AdamW, eager or torch.compile
 
@@ -55,7 +56,8 @@ VOCAB, DENSE_WIDTHS = 102400, (10944, 2 * 1408)
 # dsjax rows: config overrides on top of V2_LITE
 DSJAX_ROWS = {
     "default": [],
-    "matched": ["model.weight_dtype=bfloat16", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16"],
+    "matched": ["model.weight_dtype=bfloat16", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16",
+                "model.round_logits=true"],
 }
 HF_ROWS = {"hf": (False, "HF transformers eager, bf16 weights"),
            "hf_compile": (True, "HF transformers torch.compile, bf16 weights")}
