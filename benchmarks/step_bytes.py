@@ -47,7 +47,7 @@ _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "afte
 
 
 def type_bytes(t: str) -> int:
-    """Bytes of the arrays in an HLO type string, e.g. "(f32[4,8]{1,0}, bf16[2])" -> 144."""
+    """Bytes of the arrays in an HLO type string, e.g. "(f32[4,8]{1,0}, bf16[2])" -> 132."""
     total = 0
     for dt, dims in _SHAPE.findall(t):
         n = 1

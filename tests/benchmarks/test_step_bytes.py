@@ -1,0 +1,41 @@
+"""`benchmarks/step_bytes.py`'s byte count, on programs compiled here by XLA:CPU (the compiled HLO
+text has the GPU compiler's format): gathers count their rows, loop bodies their trip count."""
+import os
+import sys
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import step_bytes as S  # noqa: E402
+
+
+def _ops(f, *args):
+    return S.hlo_bytes(jax.jit(f).lower(*args).compile().as_text())
+
+
+def test_type_bytes():
+    assert S.type_bytes("(f32[4,8]{1,0}, bf16[2])") == 4 * 32 + 2 * 2
+    assert S.type_bytes("pred[] ") == 1 and S.type_bytes("s32[0]{0}") == 0
+
+
+def test_an_elementwise_op_reads_and_writes_its_arrays():
+    x = jnp.ones((256, 256), jnp.float32)
+    ops = _ops(lambda x: jnp.exp(x) * 2, x)
+    assert sum(b for _, _, b, _ in ops) == 2 * x.nbytes
+
+
+def test_a_gather_reads_its_rows_not_the_table():
+    table, idx = jnp.ones((1000, 64), jnp.float32), jnp.arange(16, dtype=jnp.int32)
+    ops = _ops(lambda t, i: jnp.tanh(t[i]), table, idx)
+    rows = 16 * 64 * 4
+    assert sum(b for _, _, b, _ in ops) == 2 * rows + idx.nbytes  # rows read, rows written, ids
+
+
+def test_a_loop_body_counts_once_per_trip():
+    x = jnp.ones((256, 256), jnp.float32)
+    ops = _ops(lambda x: jax.lax.fori_loop(0, 5, lambda i, y: jnp.sin(y) + 1.0, x), x)
+    body = [(b, n) for _, _, b, n in ops if n == 5 and b >= 2 * x.nbytes]
+    assert body and body[0][0] == 5 * 2 * x.nbytes
+    parts = S.by_part(ops)
+    assert sum(b for b, _ in parts.values()) == sum(b for _, _, b, _ in ops)
