@@ -207,12 +207,28 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config: train.steps must be >= 0, train.grad_accum and train.log_every > 0")
     if o.learning_rate < 0 or o.warmup_steps < 0:
         raise ConfigError("config: optim.learning_rate and optim.warmup_steps must be >= 0")
+    _validate_moment_decay(o)
     if c.every <= 0 or c.max_to_keep <= 0:
         raise ConfigError("config: checkpoint.every and checkpoint.max_to_keep must be > 0")
     if t.init_from is not None and t.init_from_hf is not None:
         raise ConfigError("config: train.init_from and train.init_from_hf are exclusive: name one")
     _validate_lora(cfg)
     _validate_kernels(m)
+
+
+def _validate_moment_decay(o) -> None:
+    """An Adam moment stored in a narrow dtype stops decaying when one step's change, 1 - beta of
+    its value, is under half the dtype's spacing at that value (2^-8 to 2^-9 of it for bfloat16):
+    beta * v then rounds back to v (bfloat16 with b2 = 0.999: the second moment keeps a stale
+    large value, which shrinks the updates). 1 - beta >= 2^-(mantissa bits + 1) always moves it."""
+    for beta_key, beta, dtype_key, dtype in (("b1", o.b1, "mu_dtype", o.mu_dtype),
+                                             ("b2", o.b2, "nu_dtype", o.nu_dtype)):
+        step = 2.0 ** -(jax.numpy.finfo(dtype).nmant + 1)
+        if 1.0 - beta < step:
+            raise ConfigError(f"config: optim.{beta_key}={beta} with optim.{dtype_key}={dtype}: one step "
+                              f"changes the moment by 1 - {beta_key} = {1.0 - beta:.3g} of its value, under "
+                              f"{dtype}'s rounding step ({step:.3g} of it), so it stops decaying; use "
+                              f"optim.{dtype_key}=float32 or optim.{beta_key} <= {1.0 - step:.6g}")
 
 
 def _validate_kernels(m) -> None:

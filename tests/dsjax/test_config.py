@@ -118,3 +118,19 @@ def test_pallas_impl_refused_by_the_cli_before_the_run_dir(tmp_path):
     assert p.returncode == 2 and "model.attention_impl=pallas does not fit model.dtype=float32" in p.stderr
     assert len(p.stderr.strip().splitlines()) == 1 and "Traceback" not in p.stderr, p.stderr
     assert not run.exists()
+
+
+def test_a_bf16_moment_that_cannot_decay_is_refused():
+    """bf16 second moment with b2 = 0.999: 0.999 * v rounds back to v, so it would never decay."""
+    import jax.numpy as jnp
+    with pytest.raises(C.ConfigError) as e:
+        C.load(ROOT / "configs" / "tiny.yaml", ["optim.nu_dtype=bfloat16", "optim.b2=0.999"])
+    msg = str(e.value)
+    assert "optim.b2=0.999 with optim.nu_dtype=bfloat16" in msg and "optim.b2 <= 0.996094" in msg, msg
+    with pytest.raises(C.ConfigError, match="optim.b1=0.998 with optim.mu_dtype=bfloat16"):
+        C.load(ROOT / "configs" / "tiny.yaml", ["optim.mu_dtype=bfloat16", "optim.b1=0.998"])
+    v = jnp.asarray(1.0, jnp.bfloat16)
+    assert (jnp.float32(0.999) * v.astype(jnp.float32)).astype(jnp.bfloat16) == v  # the stall itself
+    for sets in (["optim.nu_dtype=bfloat16", "optim.b2=0.95"], ["optim.nu_dtype=bfloat16", "optim.b2=0.996"],
+                 ["optim.b2=0.999"]):  # DeepSeek's b2 in bf16; the threshold; fp32 moments
+        C.load(ROOT / "configs" / "tiny.yaml", sets)
