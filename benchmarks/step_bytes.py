@@ -29,9 +29,6 @@ import os
 import re
 import sys
 
-# the CUDA plugin without a driver: compile only, never initialise a GPU client
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from train_step import DSJAX_ROWS, V2_LITE, _stack_tables, classify, row_label  # noqa: E402
 
@@ -211,6 +208,9 @@ def main(argv=None) -> int:
     p.add_argument("--hlo", default="", help="write each compiled module to DIR/ROW.hlo.txt")
     p.add_argument("--target", default=os.path.join(HERE, "h200_target_config.txtpb"))
     args = p.parse_args(argv)
+    # before jax starts: the CUDA plugin without a driver compiles only, no GPU client
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     rows = [r for r in args.dsjax.split(",") if r]
     variants = [(r, e) for r in rows for e in ([()] + ([tuple(args.paired)] if args.paired else []))]
     results = []

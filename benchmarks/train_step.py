@@ -255,6 +255,8 @@ def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
         per[part_of[name]] += ms
     out = dict(per.most_common())
     out["total"] = sum(per.values())
+    from step_bytes import by_part, hlo_bytes  # the bytes each part moves, from the same HLO
+    out["gb"] = {k: b / 1e9 for k, (b, _) in by_part(hlo_bytes(hlo_text)).items()}
     out["ops"] = {n: round(ms, 4) for n, ms in ops.most_common()}
     # the 100 largest ops: part, result shape and the innermost traced Python functions
     out["op_info"] = {}
@@ -265,15 +267,20 @@ def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
 
 
 def format_parts(label: str, parts: dict, step_ms: float | None = None) -> str:
-    """`step_parts`' result (or {"error": ...}) as printed lines: ms per part, largest ops.
-    `step_ms`: the traced process's timed step with command buffers off, if known."""
+    """`step_parts`' result (or {"error": ...}) as printed lines: ms per part, with the GB it
+    moves per step and their rate (`step_bytes.hlo_bytes`; the rate means HBM bandwidth only for
+    the memory-bound parts), and the largest ops. `step_ms`: the traced process's timed step
+    with command buffers off, if known."""
     if "error" in parts:
         return f"\n{label}: profile failed: {parts['error']}"
     if not parts.get("ops"):
         return f"\n{label}: the trace holds no GPU kernels (profiles need a GPU)"
     lines = [f"\n{label}: device ms per step by part (total {parts['total']:.1f}; command buffers off: "
              f"step {step_ms or float('nan'):.1f} ms)"]
-    lines += [f"  {k:<40} {v:>7.2f}" for k, v in parts.items() if k not in ("total", "ops", "op_info")]
+    gb = parts.get("gb", {})
+    lines.append(f"  {'part':<40} {'ms':>7} {'GB':>8} {'TB/s':>6}")
+    lines += [f"  {k:<40} {v:>7.2f} {gb.get(k, float('nan')):>8.2f} {gb.get(k, float('nan')) / v if v else float('nan'):>6.2f}"
+              for k, v in parts.items() if k not in ("total", "ops", "op_info", "gb")]
     lines.append("  largest ops: " + "; ".join(f"{n} {ms:.2f}" for n, ms in list(parts["ops"].items())[:10]))
     return "\n".join(lines)
 
