@@ -11,9 +11,9 @@ kernels targeted at its compile-only device (`pallas_kernels._hopper.target_devi
 and Mosaic lowering as on the H200), and train_step.py's model rows and batch (V2-Lite geometry,
 B4 x T2048) compiled by `dsjax.plan.compile_memory`. Nothing runs.
 
-Prints per row: the compiled peak (argument + output - alias + temp; the 4- and 8-layer matched
-steps give 20.69 and 40.73 GB here, 20.7 and 40.8 GB from the H200's allocator, benchmarks/
-RESULTS.md 2026-12-04), then the bytes each part of the step moves: every op it launches
+Prints per row: the compiled peak (argument + output - alias + temp; the 4- and 8-layer steps
+with bf16 weights and moments and fp32 logits give 20.69 and 40.73 GB here, 20.7 and 40.8 GB
+from the H200's allocator, benchmarks/RESULTS.md 2026-12-04 and 2026-12-05), then the bytes each part of the step moves: every op it launches
 (fusion, custom call, copy; ops in loops times the trip count) counts its operands and results,
 except operands it only gathers or slices (their slices) and in-place updates (the update).
 Parts are train_step.py's profile parts (`classify`). For the memory-bound parts the time is
