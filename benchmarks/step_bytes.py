@@ -30,7 +30,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import DSJAX_ROWS, V2_LITE, _stack_tables, classify, row_label  # noqa: E402
+from train_step import _INSTR, DSJAX_ROWS, V2_LITE, _stack_tables, classify, row_label  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMPUTE_WORDS = ("GEMMs", "kernels")  # parts whose time is not their bytes
@@ -38,9 +38,9 @@ _DT = {"pred": 1, "s8": 1, "u8": 1, "f8e4m3fn": 1, "f8e5m2": 1, "bf16": 2, "f16"
        "u16": 2, "f32": 4, "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
 _SHAPE = re.compile(r"\b(" + "|".join(_DT) + r")\[([\d,]*)\]")
 _HEADER = re.compile(r"^(ENTRY )?%?([\w.\-]+) \(.*\) -> .* \{$")
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
 _FREE = ("parameter", "constant", "get-tuple-element", "tuple", "bitcast", "after-all",
-         "partition-id", "replica-id", "opt-barrier", "custom-call:AllocateBuffer")
+         "partition-id", "replica-id", "opt-barrier")  # ops that move no bytes
+_ALLOCATE = 'custom_call_target="AllocateBuffer"'  # an uninitialised buffer: no bytes either
 
 
 def type_bytes(t: str) -> int:
@@ -129,8 +129,7 @@ def hlo_bytes(text: str) -> list:
         types = {}
         for name, ty, op, operands, attrs, line in comps[comp]:
             types[name] = ty
-            target = re.search(r'custom_call_target="([^"]+)"', attrs)
-            if op in _FREE or (op == "custom-call" and f"custom-call:{target and target.group(1)}" in _FREE):
+            if op in _FREE or _ALLOCATE in attrs:
                 continue
             if op == "while":
                 trips = re.search(r'"known_trip_count":\{"n":"(\d+)"', attrs)
@@ -146,13 +145,12 @@ def hlo_bytes(text: str) -> list:
             inner = comps.get(called.group(1), []) if called else []
             for i, b in _read_bytes(inner).items() if op == "fusion" else ():
                 read[i] = b
-            alias = re.search(r"output_to_operand_aliasing=\{\{\}: \((\d+)", line + "".join(x[5] for x in inner))
-            if alias or "dynamic-update-slice" in " ".join(x[2] for x in inner[-1:]) or op == "dynamic-update-slice":
-                # in place: the big aliased buffer is neither read nor written whole
-                big = max(range(len(read)), key=read.__getitem__) if read else None
-                if big is not None:
-                    written = sum(read) - read[big]
-                    read[big] = 0
+            in_place = (op == "dynamic-update-slice" or (inner and inner[-1][2] == "dynamic-update-slice")
+                        or any("output_to_operand_aliasing={{}: (" in x for x in [line] + [y[5] for y in inner]))
+            if in_place and read:  # the big aliased buffer is neither read nor written whole
+                big = max(range(len(read)), key=read.__getitem__)
+                written = sum(read) - read[big]
+                read[big] = 0
             fid = re.search(r"stack_frame_id=(\d+)", line)
             text_for_part = line + (" mosaic_gpu" if any("mosaic_gpu" in x[5] for x in inner) else "")
             part = classify(name, text_for_part, chain(int(fid.group(1))) if fid else [])
