@@ -107,7 +107,10 @@ def _read_bytes(comp: list) -> dict:
     for p, i in params.items():
         todo, total, sliced = [p], 0, bool(users.get(p))
         while todo and sliced:
-            for name, op, j in users.get(todo.pop(), []):
+            node = todo.pop()
+            if not users.get(node):  # a value the fusion returns: read whole
+                sliced = False
+            for name, op, j in users.get(node, []):
                 if op in ("bitcast", "reshape", "convert", "reduce-precision"):
                     todo.append(name)
                 elif op in ("gather", "dynamic-slice") and j == 0:

@@ -39,3 +39,11 @@ def test_a_loop_body_counts_once_per_trip():
     assert body and body[0][0] == 5 * 2 * x.nbytes
     parts = S.by_part(ops)
     assert sum(b for b, _ in parts.values()) == sum(b for _, _, b, _ in ops)
+
+
+def test_a_cast_reads_its_whole_operand():
+    """A fusion that only converts (fp32 master weights to their bf16 copy) reads the fp32 array
+    and writes the bf16 one: 6 bytes per element, not the 2 of its output alone."""
+    x = jnp.ones((256, 256), jnp.float32)
+    ops = _ops(lambda x: x.astype(jnp.bfloat16).reshape(128, 512), x)
+    assert sum(b for _, _, b, _ in ops) == x.nbytes + x.size * 2
