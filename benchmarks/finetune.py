@@ -162,7 +162,7 @@ def run_dsjax(args, row: str) -> dict:
         attach_adapters(model, cfg.lora, nnx.Rngs(cfg.train.seed + 1))
         _, ps, rs = nnx.split(model, nnx.Param, ...)
         train, frozen = finetune.partition(cfg, ps.to_pure_dict())
-        return init_state(train, rs.to_pure_dict(), tx, 1.0, frozen=frozen or None)
+        return init_state(train, rs.to_pure_dict(), tx, 1.0, frozen=frozen or None, compute_dtype=cfg.model.dtype)
 
     t0 = time.perf_counter()
     sh = state_shardings(fns, tx, par, jax.eval_shape(build))

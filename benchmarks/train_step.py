@@ -109,7 +109,7 @@ def run_dsjax(args, row: str) -> dict:
     par = setup_parallel(cfg)
     fns, params, rest = init_model(cfg)
     tx, sched = build_optimizer(cfg.optim, 1000)
-    state, sh = create_state(fns, params, rest, tx, par)
+    state, sh = create_state(fns, params, rest, tx, par, compute_dtype=cfg.model.dtype)
     del params, rest
     step = jit_train_step(cfg, fns, tx, sched, par, sh)
     B, T = cfg.data.batch_size, args.seq

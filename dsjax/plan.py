@@ -55,7 +55,7 @@ from dsjax import config as C
 from dsjax import plan_explain
 from dsjax.train import finetune, loop
 from dsjax.train.optim import build_optimizer
-from dsjax.train.step import init_state
+from dsjax.train.step import COPY_KEY, init_state
 from pallas_kernels._compile_only import hopper_kernels_compile_only
 
 GB = 1e9
@@ -89,8 +89,8 @@ def _abstract_state(cfg, devices):
     fns, params, rest = finetune.abstract_model(cfg)
     tx, schedule = build_optimizer(cfg.optim, max(cfg.train.steps, 1))
     trainable, frozen = finetune.partition(cfg, params)
-    abstract = jax.eval_shape(lambda p, r, f: init_state(p, r, tx, frozen=f), trainable, rest,
-                              frozen or None)
+    abstract = jax.eval_shape(lambda p, r, f: init_state(p, r, tx, frozen=f, compute_dtype=jnp.dtype(cfg.model.dtype)),
+                              trainable, rest, frozen or None)
     sh = loop.state_shardings(fns, tx, par, abstract)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, sh)
     return par, fns, tx, schedule, sh, state
@@ -102,7 +102,8 @@ def state_bytes(cfg, n_devices: int) -> dict:
     _, _, _, _, sh, state = _abstract_state(cfg, jax.devices()[:n_devices])
     return {"params": _per_device(state["params"], sh["params"]),
             "optimizer": _per_device(state["opt"], sh["opt"]),
-            "frozen": _per_device(state["frozen"], sh["frozen"]) if "frozen" in state else 0}
+            "frozen": _per_device(state["frozen"], sh["frozen"]) if "frozen" in state else 0,
+            "compute_copy": _per_device(state[COPY_KEY], sh[COPY_KEY]) if COPY_KEY in state else 0}
 
 
 def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
@@ -120,7 +121,8 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
       hlo: also return "hlo", the compiled module's text (`compiled.as_text()`).
     Returns:
       bytes per device: params (trainable), optimizer, frozen (LoRA / lora.freeze: frozen
-        weights in the compute dtype), rest (router biases, scalars), batch (sharding-
+        weights in the compute dtype), compute_copy (the compute-dtype copy of master weights
+        kept in another dtype, `dsjax.train.step.COPY_KEY`), rest (router biases, scalars), batch (sharding-
       derived), argument / output / alias / temp (compiled memory analysis), peak =
       argument + output - alias + temp.
     """
@@ -141,8 +143,9 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
         "params": per_device(state["params"], sh["params"]),
         "optimizer": per_device(state["opt"], sh["opt"]),
         "frozen": per_device(state["frozen"], sh["frozen"]) if "frozen" in state else 0,
+        "compute_copy": per_device(state[COPY_KEY], sh[COPY_KEY]) if COPY_KEY in state else 0,
         "rest": per_device(state["rest"], sh["rest"]) + sum(
-            per_device(state[k], sh[k]) for k in state if k not in ("params", "opt", "rest", "frozen")),
+            per_device(state[k], sh[k]) for k in state if k not in ("params", "opt", "rest", "frozen", COPY_KEY)),
         "batch": batch_bytes,
         "argument": int(ma.argument_size_in_bytes),
         "output": int(ma.output_size_in_bytes),
@@ -181,9 +184,9 @@ def _on_devices(cfg, n_from: int, n_to: int):
 def predicted_peak(cfg, n_from: int, full: dict, n_to: int) -> float | None:
     """Peak bytes per device of cfg on n_to <= n_from devices, the per-device batch kept, from
     the compile on n_from devices: the state on n_to devices exactly (shardings), the
-    temporaries of n_from with the parameter-sized ones (the gradients and the compute-dtype
-    copy of the weights, both sharded like the parameters) rescaled by n_from / n_to. None if
-    cfg does not shard over n_to devices."""
+    temporaries of n_from with the parameter-sized ones (the gradients, and the compute-dtype
+    copy of the weights where the state does not hold it, both sharded like the parameters)
+    rescaled by n_from / n_to. None if cfg does not shard over n_to devices."""
     c = _on_devices(cfg, n_from, n_to)
     if c is None:
         return None
@@ -192,9 +195,9 @@ def predicted_peak(cfg, n_from: int, full: dict, n_to: int) -> float | None:
     except (ValueError, C.ConfigError):  # mesh / rules errors of this device count
         return None
     ratio = jnp.dtype(cfg.model.dtype).itemsize / jnp.dtype(cfg.model.weight_dtype).itemsize
-    scaled = 2 * full["params"] * ratio
+    scaled = (1 if full.get("compute_copy") else 2) * full["params"] * ratio
     temp = full["temp"] + scaled * (n_from / n_to - 1)
-    args = st["params"] + st["optimizer"] + st["frozen"] + full["rest"] + full["batch"]
+    args = st["params"] + st["optimizer"] + st["frozen"] + st["compute_copy"] + full["rest"] + full["batch"]
     return args + full["output"] - full["alias"] + temp  # outputs other than the donated state
 
 
@@ -254,6 +257,11 @@ def plan(cfg, n_devices: int, hbm_gb: float, explain_top: int = 0, check: bool =
     return res
 
 
+def _derived(m: dict) -> int:
+    """The compiled arguments' bytes as the shardings give them: the state's parts and the batch."""
+    return sum(m[k] for k in ("params", "optimizer", "frozen", "compute_copy", "rest", "batch"))
+
+
 def _report(cfg, n, hbm_gb, res) -> str:
     f = res["full"]
     lines = [f"dsjax plan: {n} devices, mesh {cfg.mesh}, batch {cfg.data.batch_size} x "
@@ -265,10 +273,12 @@ def _report(cfg, n, hbm_gb, res) -> str:
              f"  optimizer state   {f['optimizer'] / GB:9.2f}",
              *([f"  frozen weights    {f['frozen'] / GB:9.2f}  (LoRA / lora.freeze: compute dtype, "
                 "no moments)"] if f.get("frozen") else []),
+             *([f"  compute copy      {f['compute_copy'] / GB:9.2f}  (the master weights in the compute dtype, "
+                "renewed by each update)"] if f.get("compute_copy") else []),
              f"  router bias, misc {f['rest'] / GB:9.4f}",
              f"  batch             {f['batch'] / GB:9.4f}",
              f"  compiled args     {f['argument'] / GB:9.2f}  (state + batch; "
-             f"sharding-derived {(f['params'] + f['optimizer'] + f['frozen'] + f['rest'] + f['batch']) / GB:.2f})",
+             f"sharding-derived {_derived(f) / GB:.2f})",
              f"  temporaries       {f['temp'] / GB:9.2f}  (gradients, activations, gathered weights)",
              f"  outputs (donated) {f['output'] / GB:9.2f}  aliased {f['alias'] / GB:.2f}",
              f"  peak              {f['peak'] / GB:9.2f}  of {hbm_gb:.0f} GB HBM -> "
@@ -278,7 +288,7 @@ def _report(cfg, n, hbm_gb, res) -> str:
         per_layer = {k: (f[k] - sm[k]) / max(L - res["small_layers"], 1) for k in ("params", "optimizer", "temp")}
         lines.append(f"check: {res['small_layers']}-layer config compiled on the same mesh: args "
                      f"{sm['argument'] / GB:.3f} GB (sharding-derived "
-                     f"{(sm['params'] + sm['optimizer'] + sm['frozen'] + sm['rest'] + sm['batch']) / GB:.3f}), temporaries "
+                     f"{_derived(sm) / GB:.3f}), temporaries "
                      f"{sm['temp'] / GB:.2f} GB, peak {sm['peak'] / GB:.2f} GB; per extra layer: params "
                      f"{per_layer['params'] / GB:.3f}, optimizer {per_layer['optimizer'] / GB:.3f}, "
                      f"temporaries {per_layer['temp'] / GB:.3f} GB")

@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
@@ -42,7 +43,8 @@ from dsjax.hf import load_hf_params
 from dsjax.train import finetune, runs
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
-from dsjax.train.step import init_model, init_state, initial_loss_scale, make_eval_step, make_train_step
+from dsjax.train.step import (COPY_KEY, checkpointed, compute_copy, init_model, init_state, initial_loss_scale,
+                              make_eval_step, make_train_step)
 from sharding import distributed as sdist
 from sharding import rules as shr
 from sharding.mesh import make_mesh
@@ -139,23 +141,40 @@ def state_shardings(fns, tx, par: Parallel, abstract_state: dict) -> dict:
         out["frozen"] = shr.tree_shardings(sel(p_logical, abstract_state["frozen"]), abstract_state["frozen"],
                                            par.mesh, par.rules)
     out["opt"] = shr.optimizer_shardings(tx, abstract_state["opt"], p_sh, par.mesh)
+    if COPY_KEY in abstract_state:  # the compute-dtype copy: sharded as the params it casts
+        out[COPY_KEY] = jax.tree.map(lambda c, s: None if c is None else s, abstract_state[COPY_KEY], p_sh,
+                                     is_leaf=lambda x: x is None)
     return out
 
 
-def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, frozen=None):
+def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, frozen=None,
+                 compute_dtype=None):
     """Place params/rest (and the frozen leaves, if any) and build the optimizer state of
-    `params` in their shardings.
+    `params` in their shardings; `compute_dtype` as in `init_state` (the training loop passes
+    `model.dtype`, so fp32 master weights keep their compute-dtype copy in the state).
 
     Returns (state, shardings)."""
-    abstract = jax.eval_shape(lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f), params, rest, frozen)
+    init = lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f, compute_dtype=compute_dtype)  # noqa: E731
+    abstract = jax.eval_shape(init, params, rest, frozen)
     sh = state_shardings(fns, tx, par, abstract)
     params = jax.device_put(params, sh["params"])
     rest = jax.device_put(rest, sh["rest"])
     if frozen is not None:
         frozen = jax.device_put(frozen, sh["frozen"])
-    state = jax.jit(lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f), out_shardings=sh)(
-        params, rest, frozen)
+    state = jax.jit(init, out_shardings=sh)(params, rest, frozen)
     return state, sh
+
+
+def restore_state(ckpt: Checkpointer, state: dict, shardings: dict, step: int, compute_dtype):
+    """`ckpt`'s checkpoint `step` (verified) restored into the layout of `state`, with the
+    compute-dtype copy (which checkpoints leave out) cast again from the restored params.
+
+    Returns (state, data_state, step)."""
+    restored, data_state, _, start = ckpt.restore(abstract_like(checkpointed(state)), step, verified=True)
+    if COPY_KEY in state:
+        restored[COPY_KEY] = jax.jit(lambda p: compute_copy(p, compute_dtype),
+                                     out_shardings=shardings[COPY_KEY])(restored["params"])
+    return restored, data_state, start
 
 
 def global_batch(par: Parallel, local: dict, accum: int | None = None) -> dict:
@@ -329,7 +348,8 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
         params = finetune.join(base, adapters)
     tx, schedule = build_optimizer(cfg.optim, tc.steps)
     params, frozen = finetune.partition(cfg, params)
-    state, shardings = create_state(fns, params, rest, tx, par, initial_loss_scale(cfg), frozen or None)
+    state, shardings = create_state(fns, params, rest, tx, par, initial_loss_scale(cfg), frozen or None,
+                                    compute_dtype=jnp.dtype(cfg.model.dtype))
     del params, rest, frozen
     start, damaged = 0, {}
     if latest is not None:
@@ -338,7 +358,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
             log.warning("checkpoint step %d is damaged (%s): --resume-from-intact continues from step %d",
                         s_bad, problem, step_to)
         # restores into this run's shardings, whatever mesh wrote the checkpoint
-        state, data_state, _, start = old.restore(abstract_like(state), step_to, verified=True)
+        state, data_state, start = restore_state(old, state, shardings, step_to, jnp.dtype(cfg.model.dtype))
         if data_state:
             train_loader.restore(data_state)
         else:  # e.g. a run written by `dsjax.convert --from-hf`: weights only
@@ -489,7 +509,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
                 check_val(step, v)
             if step % cfg.checkpoint.every == 0 or last_of_run or stop["sigterm"]:
                 check_nonfinite()  # never checkpoint past a halted step
-                ckpt.save(step, state, train_loader.state(), cfg_dict)
+                ckpt.save(step, checkpointed(state), train_loader.state(), cfg_dict)
             if stop["sigterm"]:
                 ckpt.wait()
                 say(f"SIGTERM: saved checkpoint at step {step} in {ckpt.directory}; exiting")

@@ -16,7 +16,7 @@ from dsjax.checkpoint import Checkpointer, abstract_like
 from dsjax.data import stdlib_files
 from dsjax.train import loop
 from dsjax.train.optim import build_optimizer, build_schedule, decay_mask
-from dsjax.train.step import init_model, init_state, make_train_step
+from dsjax.train.step import COPY_KEY, checkpointed, compute_copy, init_model, init_state, make_train_step
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,8 +65,11 @@ def test_tiny_config_loss_falls_over_30_steps(corpus, tmp_path):
 SCHEDULE_30 = "optim.decay_steps=30"
 
 
-def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog):
-    a = cfg_for(corpus, tmp_path / "a", "train.steps=6", "checkpoint.every=3", SCHEDULE_30)
+# bf16 compute over fp32 master weights: the state holds their bf16 copy, which checkpoints leave
+# out and a resumed run casts again
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog, dtype):
+    a = cfg_for(corpus, tmp_path / "a", "train.steps=6", "checkpoint.every=3", SCHEDULE_30, f"model.dtype={dtype}")
     with caplog.at_level("WARNING", logger="dsjax"):
         loop.train(a, resume=True)  # nothing to resume yet: starts from step 0 and says so
     assert "no checkpoint" in caplog.text and "starting from step 0" in caplog.text
@@ -74,7 +77,7 @@ def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog):
     b_dir = tmp_path / "b" / "run"
     (b_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "run" / "checkpoints" / "3", b_dir / "checkpoints" / "3")
-    b = cfg_for(corpus, tmp_path / "b", "train.steps=6", "checkpoint.every=3", SCHEDULE_30)
+    b = cfg_for(corpus, tmp_path / "b", "train.steps=6", "checkpoint.every=3", SCHEDULE_30, f"model.dtype={dtype}")
     with pytest.raises(FileExistsError, match="--resume"):
         loop.train(b)
     loop.train(b, resume=True)
@@ -464,6 +467,38 @@ def test_a_step_damaged_again_moves_aside_under_a_new_name(tmp_path):
         moved.append(loop.move_aside(ckpt / "12", aside))
     assert moved == [aside / "12", aside / "12.1", aside / "12.2"]
     assert [(p / "f").read_text() for p in moved] == ["0", "1", "2"] and not (ckpt / "12").exists()
+
+
+def test_the_kept_compute_copy_gives_the_state_of_casting_every_step(tmp_path):
+    """bf16 compute over fp32 master weights: a state built with `compute_dtype` holds the bf16
+    copy (COPY_KEY), the step reads it instead of casting and writes the next one. Params,
+    moments, biases and metrics are bitwise those of the step that casts every time, over finite
+    steps and a non-finite one, and the copy stays the cast of the params; the step does read it
+    (a copy of zeros changes the loss), and checkpoints leave it out."""
+    cfg = _small(tmp_path, "model.dtype=bfloat16")
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    step = jax.jit(make_train_step(cfg, fns, tx, sched))
+    a, b = init_state(p, r, tx), init_state(p, r, tx, compute_dtype=jnp.bfloat16)
+    assert COPY_KEY not in a and COPY_KEY not in init_state(p, r, tx, compute_dtype=jnp.float32)
+    n_cast = len(jax.tree.leaves(b[COPY_KEY]))
+    assert 0 < n_cast < len(jax.tree.leaves(p))  # the embedding and router gates stay fp32
+    zeros = dict(b, **{COPY_KEY: jax.tree.map(jnp.zeros_like, b[COPY_KEY])})
+    assert float(step(zeros, _batch(cfg, 0, 1))[1]["loss"]) != float(step(b, _batch(cfg, 0, 1))[1]["loss"])
+    for batch in (_batch(cfg, 0, 1), _batch(cfg, 1, 1), _batch(cfg, 2, 1, nan_at=2)):
+        a, ma = step(a, batch)
+        b, mb = step(b, batch)
+        assert jax.tree.structure(ma) == jax.tree.structure(mb)
+        for x, y in zip(jax.tree.leaves(ma), jax.tree.leaves(mb)):
+            np.testing.assert_array_equal(x, y)
+        _assert_same_training_state(a, b)
+        cast = compute_copy(b["params"], jnp.bfloat16)
+        assert len(jax.tree.leaves(b[COPY_KEY])) == n_cast
+        for x, y in zip(jax.tree.leaves(cast), jax.tree.leaves(b[COPY_KEY])):
+            assert y.dtype == jnp.bfloat16
+            np.testing.assert_array_equal(x, y)
+    assert not bool(mb["finite"]) and int(b["step"]) == 2
+    assert set(checkpointed(b)) == set(a)
 
 
 def test_the_gpu_update_pass_gives_the_state_of_the_split_one(tmp_path):

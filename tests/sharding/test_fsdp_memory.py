@@ -65,7 +65,7 @@ def test_plan_compiled_arguments_match_sharding_derived_bytes():
 
     cfg = tiny_cfg("mesh.preset=fsdp", "mesh.fsdp=8")
     m = compile_memory(cfg, 8)
-    derived = m["params"] + m["optimizer"] + m["rest"] + m["batch"]
+    derived = m["params"] + m["optimizer"] + m["compute_copy"] + m["rest"] + m["batch"]
     print(f"\nplan (tiny, fsdp=8): {m}")
     assert m["argument"] == derived
     assert m["temp"] > 0 and m["alias"] > 0
