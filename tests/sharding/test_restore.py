@@ -4,6 +4,8 @@ import sys
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(Path(__file__).parent))
 from sharding_common import synthetic_batches, tiny_cfg  # noqa: E402
@@ -12,14 +14,14 @@ from dsjax.checkpoint import Checkpointer, abstract_like  # noqa: E402
 from dsjax.config import CheckpointConfig  # noqa: E402
 from dsjax.train import loop  # noqa: E402
 from dsjax.train.optim import build_optimizer  # noqa: E402
-from dsjax.train.step import init_model  # noqa: E402
+from dsjax.train.step import COPY_KEY, checkpointed, compute_copy, init_model  # noqa: E402
 
 
-def _setup(cfg, n_dev):
+def _setup(cfg, n_dev, compute_dtype=None):
     par = loop.setup_parallel(cfg, jax.devices()[:n_dev])
     fns, params, rest = init_model(cfg)
     tx, schedule = build_optimizer(cfg.optim, cfg.train.steps)
-    state, sh = loop.create_state(fns, params, rest, tx, par)
+    state, sh = loop.create_state(fns, params, rest, tx, par, compute_dtype=compute_dtype)
     return par, state, sh, loop.jit_train_step(cfg, fns, tx, schedule, par, sh)
 
 
@@ -67,3 +69,45 @@ def test_checkpoint_8_to_2_to_1_devices(tmp_path):
         print(f"\n{src} restored on {n_dev} device(s): {n_checked} arrays with requested shardings; "
               f"losses {losses} vs 8-device {losses8[2:]}: max err {err:.2e}")
         assert err < 1e-5
+
+
+def _assert_copy_is_the_cast(state, n_dev):
+    """state[COPY_KEY]: the bf16 cast of state["params"], each leaf sharded as its param."""
+    copy = state[COPY_KEY]
+    cast_params = jax.tree.leaves(jax.tree.map(lambda c, p: None if c is None else p, copy, state["params"],
+                                               is_leaf=lambda x: x is None))
+    want = jax.tree.leaves(compute_copy(jax.device_get(state["params"]), jnp.bfloat16))
+    got = jax.tree.leaves(copy)
+    assert len(got) == len(want) == len(cast_params) > 0
+    for c, p, w in zip(got, cast_params, want):
+        assert c.dtype == jnp.bfloat16 and len(c.sharding.device_set) == n_dev
+        assert c.sharding.is_equivalent_to(p.sharding, c.ndim), (c.sharding, p.sharding)
+        np.testing.assert_array_equal(np.asarray(jax.device_get(c)), np.asarray(w))
+
+
+def test_the_compute_copy_follows_its_params_through_a_restore(tmp_path):
+    """bf16 compute over fp32 master weights, FSDP on 8 devices: the state's compute-dtype copy
+    is sharded as the params it casts and stays their cast over the steps; checkpoints leave it
+    out, and `loop.restore_state` on 2 devices casts it again in the 2-device shardings, from
+    where training continues with the 8-device loss."""
+    cfg8 = tiny_cfg("mesh.preset=fsdp", "mesh.fsdp=8", "model.dtype=bfloat16")
+    batches = synthetic_batches(cfg8, 3)
+    par8, state, _, step8 = _setup(cfg8, 8, jnp.bfloat16)
+    _assert_copy_is_the_cast(state, 8)
+    for i in range(2):
+        state, _ = step8(state, loop.global_batch(par8, batches[i], 1))
+    _assert_copy_is_the_cast(state, 8)
+    ck = Checkpointer(tmp_path / "ck", CheckpointConfig(async_save=False))
+    ck.save(2, checkpointed(state), {"pos": 2}, {})
+    ck.close()
+    _, m8 = step8(state, loop.global_batch(par8, batches[2], 1))
+
+    cfg2 = tiny_cfg("mesh.preset=fsdp", "mesh.fsdp=2", "mesh.devices=2", "model.dtype=bfloat16")
+    par2, fresh, sh2, step2 = _setup(cfg2, 2, jnp.bfloat16)
+    ck = Checkpointer(tmp_path / "ck", CheckpointConfig(async_save=False), read_only=True)
+    restored, data, at = loop.restore_state(ck, fresh, sh2, 2, jnp.bfloat16)
+    ck.close()
+    assert at == 2 and data == {"pos": 2}
+    _assert_copy_is_the_cast(restored, 2)
+    _, m2 = step2(restored, loop.global_batch(par2, batches[2], 1))
+    assert abs(float(m2["loss"]) - float(m8["loss"])) < 1e-5, (float(m2["loss"]), float(m8["loss"]))
