@@ -2,7 +2,7 @@
 
     python benchmarks/train_step.py [--layers 4] [--batch 4] [--seq 2048] [--steps 10]
         [--dsjax default,matched] [--peers hf,hf_compile] [--profile DIR] [--set KEY=VALUE ...]
-        [--paired KEY=VALUE ... [--rounds N]]
+        [--paired KEY=VALUE ... [--rounds N]] [--baseline DIR [--rounds N]]
 
 Model: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank 512, nope/rope/v 128/64/128,
 64 routed experts top-6, 2 shared, moe_intermediate 1408, intermediate 10944,
@@ -25,7 +25,9 @@ of the step (attention, experts, dense GEMMs, lm_head + loss, optimizer, ...). U
 each row's median SM clock and power over its timed steps and its energy per step
 (`gpu_power.py`, read through NVML): whether the row ran at the GPU's power cap. `--paired
 KEY=VALUE ...` runs each dsjax row without and with those overrides back to back (`--rounds` times)
-and prints the change, for comparing a variant within one call.
+and prints the change, for comparing a variant within one call; `--baseline DIR` does the same with
+each dsjax row run first from another source tree (`git worktree add DIR REV`, or a `git archive`
+of REV unpacked in DIR), for comparing two commits within one call.
 """
 from __future__ import annotations
 
@@ -332,41 +334,55 @@ def run_hf(args, peer: str) -> dict:
     return {"row": label, **json.loads(r.stdout.strip().splitlines()[-1])}
 
 
+BASELINE = "@ baseline"  # the label `--baseline`'s runs carry in place of overrides
+
+
 def row_label(row: str, extra: tuple = ()) -> str:
-    """A dsjax row's name in the table: "dsjax ROW", plus " + KEY=VALUE" per `--paired` override."""
-    return f"dsjax {row}" + "".join(f" + {e}" for e in extra)
+    """A dsjax row's name in the table: "dsjax ROW", plus " + KEY=VALUE" per `--paired` override
+    (or " @ baseline" for `--baseline`'s tree)."""
+    return f"dsjax {row}" + "".join(f" {e}" if e == BASELINE else f" + {e}" for e in extra)
 
 
-def run_child(args, row: str, profile: bool = False, extra: tuple = ()) -> dict:
+def run_child(args, row: str, profile: bool = False, extra: tuple = (), tree: str = "") -> dict:
     """A dsjax row in its own process (own allocator peak, own XLA flags), with `extra` config
     overrides after --set's. With `profile`, the process traces three steps with XLA's command
     buffers off, so that every kernel is attributed to its HLO op (inside a CUDA graph the trace
-    sees one event per graph)."""
-    cmd = [sys.executable, __file__, "--child", row, "--layers", str(args.layers), "--batch", str(args.batch),
+    sees one event per graph). `tree`: run the row from this source tree's train_step.py and
+    packages instead of this one's (labelled " @ baseline")."""
+    script = os.path.join(os.path.abspath(tree), "benchmarks", "train_step.py") if tree else __file__
+    cmd = [sys.executable, script, "--child", row, "--layers", str(args.layers), "--batch", str(args.batch),
            "--seq", str(args.seq), "--steps", str(args.steps if not profile else 2)]
     cmd += (["--profile", args.profile] if profile else []) + (["--hlo", args.hlo] if args.hlo and profile else [])
     sets = list(args.set) + list(extra)
     cmd += ["--set", *sets] if sets else []
     env = dict(os.environ)
+    if tree:
+        env["PYTHONPATH"] = os.path.abspath(tree) + os.pathsep + env.get("PYTHONPATH", "")
     if profile:
         env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    label = row_label(row, extra)
+    label = row_label(row, (BASELINE,) if tree else extra)
     if r.returncode != 0 or not lines:
         err = "out of memory" if "RESOURCE_EXHAUSTED" in r.stderr else (r.stderr.strip().splitlines() or ["?"])[-1][-200:]
         return {"row": label, "error": err}
     return {**json.loads(lines[-1]), "row": label}
 
 
-def paired_lines(results: list, rows: list, extra: tuple) -> list:
+def paired_lines(results: list, rows: list, extra: tuple, baseline: str = "") -> list:
     """Per dsjax row: mean step ms and peak GB without and with the `--paired` overrides over the
-    rounds, the change, and each round's change (A, B of one round ran back to back)."""
-    out = [f"\npaired: {' '.join(extra)} (A without, B with; rounds run A, B back to back)"]
+    rounds, the change, and each round's change (A, B of one round ran back to back). With
+    `baseline` (a tree), A is the row run from that tree and B from this one."""
+    if baseline:
+        out = [f"\npaired: A from {baseline}, B from this tree (rounds run A, B back to back)"]
+        label_a, label_b = (lambda row: row_label(row, (BASELINE,))), row_label
+    else:
+        out = [f"\npaired: {' '.join(extra)} (A without, B with; rounds run A, B back to back)"]
+        label_a, label_b = row_label, (lambda row: row_label(row, extra))
     for row in rows:
-        a = [r for r in results if r["row"] == row_label(row) and "error" not in r]
-        b = [r for r in results if r["row"] == row_label(row, extra) and "error" not in r]
+        a = [r for r in results if r["row"] == label_a(row) and "error" not in r]
+        b = [r for r in results if r["row"] == label_b(row) and "error" not in r]
         if not a or len(a) != len(b):
             out.append(f"  {row}: incomplete ({len(a)} A, {len(b)} B runs without errors)")
             continue
@@ -395,7 +411,9 @@ def main() -> None:
     p.add_argument("--paired", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="run every dsjax row without (A) and with (B) these overrides, back to back, "
                    "and print the change")
-    p.add_argument("--rounds", type=int, default=1, help="with --paired: A, B rounds (alternating)")
+    p.add_argument("--baseline", default="", metavar="DIR", help="another source tree (a checkout of another "
+                   "commit): each dsjax row runs from it (A) and from this tree (B) back to back")
+    p.add_argument("--rounds", type=int, default=1, help="with --paired or --baseline: A, B rounds (alternating)")
     p.add_argument("--json", default="", help="also write the rows to this file")
     p.add_argument("--child", default="", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -415,9 +433,15 @@ def main() -> None:
         if name not in HF_ROWS:
             p.error(f"--peers: unknown peer {name!r} (have {sorted(HF_ROWS)})")
     extra = tuple(args.paired)
+    if extra and args.baseline:
+        p.error("--paired and --baseline: one comparison per run")
+    if args.baseline and not os.path.isfile(os.path.join(args.baseline, "benchmarks", "train_step.py")):
+        p.error(f"--baseline: {args.baseline} holds no benchmarks/train_step.py")
     results = []
-    for _ in range(args.rounds if extra else 1):
+    for _ in range(args.rounds if extra or args.baseline else 1):
         for r in rows:
+            if args.baseline:
+                results.append(run_child(args, r, tree=args.baseline))
             results.append(run_child(args, r))
             if extra:
                 results.append(run_child(args, r, extra=extra))
@@ -447,8 +471,8 @@ def main() -> None:
     for r in results:
         if "error" not in r:
             print(f"  {r['row']}: {describe(r.get('gpu'), args.steps)}")
-    if extra:
-        print("\n".join(paired_lines(results, rows, extra)))
+    if extra or args.baseline:
+        print("\n".join(paired_lines(results, rows, extra, args.baseline)))
     for r in results:
         if "parts_ms" in r:
             print(format_parts(r["row"], r["parts_ms"], r.get("step_ms_no_command_buffers")))
