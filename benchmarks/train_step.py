@@ -334,13 +334,10 @@ def run_hf(args, peer: str) -> dict:
     return {"row": label, **json.loads(r.stdout.strip().splitlines()[-1])}
 
 
-BASELINE = "@ baseline"  # the label `--baseline`'s runs carry in place of overrides
-
-
-def row_label(row: str, extra: tuple = ()) -> str:
+def row_label(row: str, extra: tuple = (), baseline: bool = False) -> str:
     """A dsjax row's name in the table: "dsjax ROW", plus " + KEY=VALUE" per `--paired` override
-    (or " @ baseline" for `--baseline`'s tree)."""
-    return f"dsjax {row}" + "".join(f" {e}" if e == BASELINE else f" + {e}" for e in extra)
+    and " @ baseline" for a run from `--baseline`'s tree."""
+    return f"dsjax {row}" + "".join(f" + {e}" for e in extra) + (" @ baseline" if baseline else "")
 
 
 def run_child(args, row: str, profile: bool = False, extra: tuple = (), tree: str = "") -> dict:
@@ -363,7 +360,7 @@ def run_child(args, row: str, profile: bool = False, extra: tuple = (), tree: st
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     sys.stderr.write(r.stderr[-3000:] if r.returncode else "")
     lines = [ln for ln in r.stdout.splitlines() if ln.startswith("{")]
-    label = row_label(row, (BASELINE,) if tree else extra)
+    label = row_label(row, extra, baseline=bool(tree))
     if r.returncode != 0 or not lines:
         err = "out of memory" if "RESOURCE_EXHAUSTED" in r.stderr else (r.stderr.strip().splitlines() or ["?"])[-1][-200:]
         return {"row": label, "error": err}
@@ -374,15 +371,11 @@ def paired_lines(results: list, rows: list, extra: tuple, baseline: str = "") ->
     """Per dsjax row: mean step ms and peak GB without and with the `--paired` overrides over the
     rounds, the change, and each round's change (A, B of one round ran back to back). With
     `baseline` (a tree), A is the row run from that tree and B from this one."""
-    if baseline:
-        out = [f"\npaired: A from {baseline}, B from this tree (rounds run A, B back to back)"]
-        label_a, label_b = (lambda row: row_label(row, (BASELINE,))), row_label
-    else:
-        out = [f"\npaired: {' '.join(extra)} (A without, B with; rounds run A, B back to back)"]
-        label_a, label_b = row_label, (lambda row: row_label(row, extra))
+    out = [f"\npaired: A from {baseline}, B from this tree (rounds run A, B back to back)" if baseline else
+           f"\npaired: {' '.join(extra)} (A without, B with; rounds run A, B back to back)"]
     for row in rows:
-        a = [r for r in results if r["row"] == label_a(row) and "error" not in r]
-        b = [r for r in results if r["row"] == label_b(row) and "error" not in r]
+        a = [r for r in results if r["row"] == row_label(row, baseline=bool(baseline)) and "error" not in r]
+        b = [r for r in results if r["row"] == row_label(row, extra) and "error" not in r]
         if not a or len(a) != len(b):
             out.append(f"  {row}: incomplete ({len(a)} A, {len(b)} B runs without errors)")
             continue

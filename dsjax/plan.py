@@ -96,14 +96,20 @@ def _abstract_state(cfg, devices):
     return par, fns, tx, schedule, sh, state
 
 
+# the state's parts that `state_bytes` and `compile_memory` report by name (the rest is "rest")
+_PARTS = {"params": "params", "optimizer": "opt", "frozen": "frozen", "compute_copy": COPY_KEY}
+
+
+def _state_parts(state: dict, sh: dict) -> dict:
+    """Per-device bytes of each of _PARTS (0 where the state has no such key)."""
+    return {name: _per_device(state[k], sh[k]) if k in state else 0 for name, k in _PARTS.items()}
+
+
 def state_bytes(cfg, n_devices: int) -> dict:
     """Per-device bytes of parameters and optimizer moments of cfg on n_devices (from the
     shardings, nothing compiled)."""
     _, _, _, _, sh, state = _abstract_state(cfg, jax.devices()[:n_devices])
-    return {"params": _per_device(state["params"], sh["params"]),
-            "optimizer": _per_device(state["opt"], sh["opt"]),
-            "frozen": _per_device(state["frozen"], sh["frozen"]) if "frozen" in state else 0,
-            "compute_copy": _per_device(state[COPY_KEY], sh[COPY_KEY]) if COPY_KEY in state else 0}
+    return _state_parts(state, sh)
 
 
 def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
@@ -140,12 +146,8 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
     ma = compiled.memory_analysis()
     batch_bytes = sum(per_device(v, bsh) for v in batch.values())
     out = {
-        "params": per_device(state["params"], sh["params"]),
-        "optimizer": per_device(state["opt"], sh["opt"]),
-        "frozen": per_device(state["frozen"], sh["frozen"]) if "frozen" in state else 0,
-        "compute_copy": per_device(state[COPY_KEY], sh[COPY_KEY]) if COPY_KEY in state else 0,
-        "rest": per_device(state["rest"], sh["rest"]) + sum(
-            per_device(state[k], sh[k]) for k in state if k not in ("params", "opt", "rest", "frozen", COPY_KEY)),
+        **_state_parts(state, sh),
+        "rest": sum(per_device(state[k], sh[k]) for k in state if k not in _PARTS.values()),
         "batch": batch_bytes,
         "argument": int(ma.argument_size_in_bytes),
         "output": int(ma.output_size_in_bytes),
