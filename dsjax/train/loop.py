@@ -153,16 +153,22 @@ def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, 
     `params` in their shardings; `compute_dtype` as in `init_state` (the training loop passes
     `model.dtype`, so fp32 master weights keep their compute-dtype copy in the state).
 
+    The placed params, rest and frozen leaves become the state's own arrays, not copies (a copy
+    would hold the params twice while the optimizer state and the compute copy are built: that
+    was the run's peak with fp32 master weights), so the caller's arrays must not be used after
+    the first (donating) train step.
+
     Returns (state, shardings)."""
     init = lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f, compute_dtype=compute_dtype)  # noqa: E731
     abstract = jax.eval_shape(init, params, rest, frozen)
     sh = state_shardings(fns, tx, par, abstract)
-    params = jax.device_put(params, sh["params"])
-    rest = jax.device_put(rest, sh["rest"])
+    placed = {"params": jax.device_put(params, sh["params"]), "rest": jax.device_put(rest, sh["rest"])}
     if frozen is not None:
-        frozen = jax.device_put(frozen, sh["frozen"])
-    state = jax.jit(init, out_shardings=sh)(params, rest, frozen)
-    return state, sh
+        placed["frozen"] = jax.device_put(frozen, sh["frozen"])
+    built = lambda p, r, f: {k: v for k, v in init(p, r, f).items() if k not in placed}  # noqa: E731
+    state = jax.jit(built, out_shardings={k: v for k, v in sh.items() if k not in placed})(
+        placed["params"], placed["rest"], placed.get("frozen"))
+    return {**state, **placed}, sh
 
 
 def restore_state(ckpt: Checkpointer, state: dict, shardings: dict, step: int, compute_dtype):

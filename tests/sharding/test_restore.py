@@ -111,3 +111,22 @@ def test_the_compute_copy_follows_its_params_through_a_restore(tmp_path):
     _assert_copy_is_the_cast(restored, 2)
     _, m2 = step2(restored, loop.global_batch(par2, batches[2], 1))
     assert abs(float(m2["loss"]) - float(m8["loss"])) < 1e-5, (float(m2["loss"]), float(m8["loss"]))
+
+
+def test_create_state_holds_the_placed_params_not_a_copy():
+    """FSDP on 8 devices, fp32 master weights with the bf16 compute copy: the state's params are
+    the arrays placed in their shardings (the same device buffers), so building the optimizer
+    state and the copy never holds the params twice."""
+    cfg = tiny_cfg("mesh.preset=fsdp", "mesh.fsdp=8", "model.dtype=bfloat16")
+    par = loop.setup_parallel(cfg, jax.devices()[:8])
+    fns, params, rest = init_model(cfg)
+    tx, _ = build_optimizer(cfg.optim, cfg.train.steps)
+    _, sh = loop.create_state(fns, params, rest, tx, par, compute_dtype=jnp.bfloat16)
+    placed = jax.device_put(init_model(cfg)[1], sh["params"])
+    state, _ = loop.create_state(fns, placed, rest, tx, par, compute_dtype=jnp.bfloat16)
+
+    def buffers(tree):
+        return [tuple(s.data.unsafe_buffer_pointer() for s in x.addressable_shards) for x in jax.tree.leaves(tree)]
+
+    assert buffers(state["params"]) == buffers(placed)
+    assert len(jax.tree.leaves(state[COPY_KEY])) > 0
