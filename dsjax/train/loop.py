@@ -154,9 +154,9 @@ def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, 
     `model.dtype`, so fp32 master weights keep their compute-dtype copy in the state).
 
     The placed params, rest and frozen leaves become the state's own arrays, not copies (a copy
-    would hold the params twice while the optimizer state and the compute copy are built: that
-    was the run's peak with fp32 master weights), so the caller's arrays must not be used after
-    the first (donating) train step.
+    would hold the params twice while the optimizer state and the compute copy are built, above
+    the train step's own peak with fp32 master weights), so the caller's arrays must not be used
+    after the first (donating) train step.
 
     Returns (state, shardings)."""
     init = lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f, compute_dtype=compute_dtype)  # noqa: E731
