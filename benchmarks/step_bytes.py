@@ -122,6 +122,23 @@ def _read_bytes(comp: list) -> dict:
     return out
 
 
+def _aliased_operands(line: str, inner: list) -> list:
+    """Operand indices of an op whose outputs alias them (`output_to_operand_aliasing`, on the
+    op or on the root of the computation it calls; a called root's operands that are its
+    parameters map to the op's operands)."""
+    for text, names in [(line, None)] + ([(inner[-1][5], inner[-1][3])] if inner else []):
+        m = re.search(r"output_to_operand_aliasing=\{(.*?\))\}", text)
+        if not m:
+            continue
+        idx = [int(k) for k in re.findall(r"\}: \((\d+),", m.group(1))]
+        if names is None:
+            return idx
+        params = {n: int(re.search(r"parameter\((\d+)\)", ln).group(1))
+                  for n, _, op, _, _, ln in inner if op == "parameter"}
+        return [params[names[k]] for k in idx if k < len(names) and names[k] in params]
+    return []
+
+
 def hlo_bytes(text: str) -> list:
     """The ops a compiled step launches: [(name, part, bytes moved per step, launches per step)]."""
     comps, entry = parse_hlo(text)
@@ -148,9 +165,13 @@ def hlo_bytes(text: str) -> list:
             inner = comps.get(called.group(1), []) if called else []
             for i, b in _read_bytes(inner).items() if op == "fusion" else ():
                 read[i] = b
-            in_place = (op == "dynamic-update-slice" or (inner and inner[-1][2] == "dynamic-update-slice")
-                        or any("output_to_operand_aliasing={{}: (" in x for x in [line] + [y[5] for y in inner]))
-            if in_place and read:  # the big aliased buffer is neither read nor written whole
+            aliased = _aliased_operands(line, inner)
+            in_place = (op == "dynamic-update-slice" or (inner and inner[-1][2] == "dynamic-update-slice"))
+            if aliased and read:  # buffers updated in place (a kernel's refs): neither read nor written whole
+                for i in aliased:
+                    read[i] = 0
+                written = sum(read)
+            elif in_place and read:  # the big updated buffer is neither read nor written whole
                 big = max(range(len(read)), key=read.__getitem__)
                 written = sum(read) - read[big]
                 read[big] = 0

@@ -50,17 +50,20 @@ def expert_stacks(stacks, i: int):
 
 
 @contextlib.contextmanager
-def expert_grad_sinks(sinks):
+def expert_grad_sinks(sinks, squares=None):
     """Within this context the routed experts' weight gradients of unrolled MoE layers that read
     their weights in place (`expert_stacks`) go to `sinks` ({name in EXPERT_PROJS: mutable ref
     [L * E, in, out] in the stack's dtype}, made outside `jax.grad`): layer i's dW kernel
     writes rows i E .. (i + 1) E in place and the layer's weight gets a zero gradient
     (`grouped_matmul(dw_sink=...)`), so the stack's gradient is the ref's value with no
-    concatenation of per-layer gradients. Yields {name: set of layer indices traced with a sink},
-    for the caller to check that every layer wrote (or none did). sinks None: nothing."""
+    concatenation of per-layer gradients. squares: None, or {name: mutable fp32 ref of
+    `pallas_kernels.moe.dw_sq_shape` of that sink}, which the same kernels fill with the
+    gradient's partial sums of squares (sum: ||dW||^2 for the global norm, dW not read again).
+    Yields {name: set of layer indices traced with a sink}, for the caller to check that every
+    layer wrote (or none did). sinks None: nothing."""
     prev = getattr(_SINKS, "value", None)
     used = {name: set() for name in (sinks or {})}
-    _SINKS.value = None if sinks is None else (sinks, used)
+    _SINKS.value = None if sinks is None else (sinks, used, squares or {})
     try:
         yield used
     finally:
@@ -68,7 +71,7 @@ def expert_grad_sinks(sinks):
 
 
 def _dw_sink(name: str, n_experts: int):
-    """(ref, row) for `grouped_matmul(dw_sink=...)` of this layer's weight `name`, or None: only
+    """(ref, row[, sq]) for `grouped_matmul(dw_sink=...)` of this layer's weight `name`, or None: only
     where `_in_stack` reads the layer in place and a sink of the stack's shape is active."""
     held, sunk = getattr(_STACKS, "value", None), getattr(_SINKS, "value", None)
     if held is None or sunk is None or name not in sunk[0]:
@@ -77,7 +80,8 @@ def _dw_sink(name: str, n_experts: int):
     if tuple(ref.shape) != (stack.shape[0] * stack.shape[1],) + tuple(stack.shape[2:]) or ref.dtype != stack.dtype:
         return None
     sunk[1][name].add(held[1])
-    return ref, held[1] * n_experts
+    sq = (sunk[2][name],) if name in sunk[2] else ()
+    return (ref, held[1] * n_experts) + sq
 
 
 def _in_stack(name: str, dt):

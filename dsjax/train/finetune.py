@@ -139,14 +139,14 @@ def group_of(path: tuple[str, ...]) -> str:
     return "norms"
 
 
-def grad_group_norms(grads: dict) -> dict:
-    """L2 norms (fp32 scalars) of the gradients per module group: "grad_norm/<group>" for the
-    base weights that train, "grad_norm/adapters/<group>" for the adapters of that group and
-    "grad_norm/adapters" over all adapters; only groups that have gradients appear."""
+def grad_group_norms(squares: dict) -> dict:
+    """L2 norms (fp32 scalars) of the gradients per module group, from `squares`: the gradient
+    tree with each leaf's sum of squares (an fp32 scalar) in its place. "grad_norm/<group>"
+    for the base weights that train, "grad_norm/adapters/<group>" for the adapters of that group
+    and "grad_norm/adapters" over all adapters; only groups that have gradients appear."""
     sq: dict[str, list] = {}
-    for path, g in jax.tree_util.tree_flatten_with_path(grads)[0]:
+    for path, s in jax.tree_util.tree_flatten_with_path(squares)[0]:
         names = path_names(path)
-        s = jnp.sum(jnp.square(g.astype(jnp.float32)))
         if is_adapter_path(names):
             sq.setdefault("adapters", []).append(s)
             sq.setdefault("adapters/" + group_of(names), []).append(s)

@@ -78,10 +78,29 @@ def scale_by_adam(b1: float, b2: float, eps: float, mu_dtype, nu_dtype) -> optax
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """`optax.clip_by_global_norm` (Pascanu et al. 2012) that takes the norm from the caller:
+    `update(updates, state, params, grad_norm=...)` scales the updates by max_norm / grad_norm
+    when grad_norm >= max_norm, with optax's expression, so the same norm gives bitwise optax's
+    updates; without grad_norm it computes `optax.tree.norm(updates)` as optax does. The train
+    step passes the norm it already has (part of it summed by the expert weight-gradient
+    kernels), so the clip does not read the gradients again. State: `optax.EmptyState`, as
+    optax's."""
+    def update_fn(updates, state, params=None, *, grad_norm=None, **extra):
+        del params, extra
+        g_norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        trigger = jnp.squeeze(g_norm < max_norm)
+        clip = lambda t: jax.lax.select(trigger, t, (t / g_norm.astype(t.dtype)) * max_norm)  # noqa: E731
+        return jax.tree.map(clip, updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update_fn)
+
+
 def build_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
     """Returns (optimizer, schedule): clip -> Adam (moments in optim.mu_dtype / nu_dtype) ->
     decoupled weight decay on `decay_mask` leaves -> - learning rate (the state tree of
-    `optax.chain(clip, optax.adamw(...))`)."""
+    `optax.chain(clip, optax.adamw(...))`). `update` takes an optional `grad_norm=`, the
+    gradients' global norm, for the clip (`clip_by_global_norm`)."""
     schedule = build_schedule(cfg, total_steps)
     adamw = optax.chain(
         scale_by_adam(cfg.b1, cfg.b2, cfg.eps, jnp.dtype(cfg.mu_dtype), jnp.dtype(cfg.nu_dtype)),
@@ -89,7 +108,7 @@ def build_optimizer(cfg: OptimConfig, total_steps: int) -> tuple[optax.GradientT
         optax.scale_by_learning_rate(schedule),
     )
     tx = optax.chain(
-        optax.clip_by_global_norm(cfg.grad_clip_norm) if cfg.grad_clip_norm > 0 else optax.identity(),
+        clip_by_global_norm(cfg.grad_clip_norm) if cfg.grad_clip_norm > 0 else optax.identity(),
         adamw,
     )
     return tx, schedule

@@ -23,6 +23,7 @@ depth k predicts the token k + 2 ahead, masked at document boundaries, padding a
 """
 from __future__ import annotations
 
+import operator
 from typing import Callable
 
 import jax
@@ -37,6 +38,7 @@ from dsjax.model.mtp import mtp_targets
 from dsjax.model.moe import EXPERT_PROJS, expert_grad_sinks, update_router_bias
 from dsjax.train import finetune
 from dsjax.train.finetune import grad_group_norms, token_counts
+from pallas_kernels.moe import dw_sq_shape
 from sharding import rules as shr
 
 GROWTH_INTERVAL = 2000  # finite fp16 steps before the loss scale doubles
@@ -207,34 +209,51 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     grad_fn = jax.value_and_grad(lora_mod.with_frozen(micro_loss), has_aux=True)
 
     def expert_sinks(weights):
-        """{name: uninitialised ref [L * E, in, out]} for the trainable routed-expert stacks whose
-        unrolled layers read their weights in place (one device, layers unrolled, no remat and no
-        model.moe_recompute: with jax 0.11.2 a step that writes a ref under `jax.checkpoint`
-        fails at execution with an argument-count error):
-        their dW kernels write the stacked gradient there (`moe.expert_grad_sinks`). None when
-        the model will not take them."""
+        """({name: uninitialised ref [L * E, in, out]}, {name: its squares' ref}) for the
+        trainable routed-expert stacks whose unrolled layers read their weights in place (one
+        device, layers unrolled, no remat and no model.moe_recompute: with jax 0.11.2 a step
+        that writes a ref under `jax.checkpoint` fails at execution with an argument-count
+        error): their dW kernels write the stacked gradient there, and its partial sums of
+        squares into the second ref (`moe.expert_grad_sinks`). None when the model will not
+        take them."""
         ctx = shr.current()
         if (not has_moe or mcfg.scan_layers or mcfg.remat != "none" or mcfg.moe_recompute
                 or (ctx is not None and ctx.mesh.size > 1)):
             return None
         mlp = weights.get("moe_layers", {}).get("mlp", {})
-        out = {p: jax.empty_ref(jax.ShapeDtypeStruct((w.shape[0] * w.shape[1],) + w.shape[2:], w.dtype))
-               for p, w in mlp.items() if p in EXPERT_PROJS and hasattr(w, "shape")}
-        return out or None
+        shapes = {p: (w.shape[0] * w.shape[1],) + w.shape[2:]
+                  for p, w in mlp.items() if p in EXPERT_PROJS and hasattr(w, "shape")}
+        if not shapes:
+            return None
+        return ({p: jax.empty_ref(jax.ShapeDtypeStruct(sh, mlp[p].dtype)) for p, sh in shapes.items()},
+                {p: jax.empty_ref(jax.ShapeDtypeStruct(dw_sq_shape(sh, mlp[p].dtype), jnp.float32))
+                 for p, sh in shapes.items()})
 
     def take_sunk(grads, sinks, used):
-        """grads with each stack whose every layer wrote its sink replaced by the sink's value."""
+        """(grads with each stack whose every layer wrote its sink replaced by the sink's value,
+        {name: that stack's sum of squares from its squares' ref})."""
         if not sinks:
-            return grads
+            return grads, {}
         L = mcfg.num_moe_layers
         mlp = dict(grads["moe_layers"]["mlp"])
-        for p, ref in sinks.items():
+        sq = {}
+        for p, ref in sinks[0].items():
             if used[p] == set(range(L)):
                 mlp[p] = ref[...].reshape(mlp[p].shape)
+                sq[p] = jnp.sum(sinks[1][p][...])
             elif used[p]:  # a partly written sink would give wrong gradients: fail at trace time
                 raise RuntimeError(f"train_step: moe_layers.mlp.{p}: only layers {sorted(used[p])} of "
                                    f"{L} wrote their expert gradients in place")
-        return dict(grads, moe_layers=dict(grads["moe_layers"], mlp=mlp))
+        return dict(grads, moe_layers=dict(grads["moe_layers"], mlp=mlp)), sq
+
+    def squares(grads, sunk_sq):
+        """Per-leaf sums of squares of the fp32 gradients (the tree of grads, fp32 scalars); a
+        stack written in place takes its kernels' sum (`take_sunk`), so it is not read again."""
+        sums = jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)
+        if sunk_sq:
+            mlp = dict(sums["moe_layers"]["mlp"], **sunk_sq)
+            sums = dict(sums, moe_layers=dict(sums["moe_layers"], mlp=mlp))
+        return sums
 
     def train_step(state, batch):
         if batch["inputs"].shape[0] != n_accum:
@@ -277,28 +296,34 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         if n_accum == 1:  # no accumulator: saves a zero-fill and an add over every parameter
             mb = jax.tree.map(lambda x: x[0], batch)
             sinks = expert_sinks(weights)
-            with expert_grad_sinks(sinks) as used:
+            with expert_grad_sinks(*(sinks or (None,))) as used:
                 (_, (nll_sum, aux)), grads = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total,
                                                      n_real, frozen=frozen, key=mb.get("lora_key"))
-            grads = take_sunk(grads, sinks, used)
+            grads, sunk_sq = take_sunk(grads, sinks, used)
             aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
             (grads, nll_sum, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros(()), aux0), batch)
+            sunk_sq = {}
         # gradients in the compute dtype (grad_accum 1) are read as fp32 by the fusions below;
         # XLA folds the upcast into the norm's reduction and the optimizer's update
         grads = jax.tree.map(lambda g: g.astype(jnp.float32), grads)
-        if fp16:
+        if fp16:  # the kernels' squares are of the scaled gradients
             grads = jax.tree.map(lambda g: g / scale, grads)
-        grad_norm = optax.tree.norm(grads)
+            sunk_sq = {p: v / (scale * scale) for p, v in sunk_sq.items()}
+        sq_tree = squares(grads, sunk_sq)
+        # the sum of the per-leaf sums, in optax.tree.norm's order
+        grad_norm = jnp.sqrt(jax.tree.reduce(operator.add, sq_tree, initializer=0))
         # any inf/NaN gradient makes the norm non-finite, so one reduction over the gradients
         # serves both (a finite gradient whose squares overflow fp32, |g| > 1e19, counts as
         # non-finite too: clipping could not have applied it either)
         finite = jnp.isfinite(grad_norm)
         ok = finite & (state["nonfinite_step"] < 0) if halt_on_nonfinite else finite  # apply update
-        # a non-finite gradient gives non-finite updates, which `keep` discards; the optimizer
-        # sees the same gradients as grad_norm, so XLA computes the clip's norm only once
-        updates, new_opt = tx.update(grads, state["opt"], params)
+        # a non-finite gradient gives non-finite updates, which `keep` discards; the clip takes
+        # grad_norm (`optim.clip_by_global_norm`); an optax transform without extra arguments
+        # computes its own norm of the same gradients
+        norm_arg = {"grad_norm": grad_norm} if isinstance(tx, optax.GradientTransformationExtraArgs) else {}
+        updates, new_opt = tx.update(grads, state["opt"], params, **norm_arg)
         new_params = optax.apply_updates(params, updates)
         keep = lambda new, old: jax.tree.map(lambda a, b: jnp.where(ok, a, b), new, old)
         new_state = dict(state)
@@ -309,7 +334,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             # moments are updated in place, and the second `tx.update` only supplies them.
             new_state["params"], opt = jax.lax.optimization_barrier(
                 (keep(new_params, params), state["opt"]))
-            new_state["opt"] = keep(tx.update(grads, opt, new_state["params"])[1], opt)
+            new_state["opt"] = keep(tx.update(grads, opt, new_state["params"], **norm_arg)[1], opt)
         else:
             new_state["params"] = keep(new_params, params)
             new_state["opt"] = keep(new_opt, state["opt"])
@@ -345,7 +370,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             "finite": finite,
             "loss_scale": scale,
             "skipped": new_state["skipped"],
-            **grad_group_norms(grads),
+            **grad_group_norms(sq_tree),
             **token_counts(batch),
         }
         if has_moe:

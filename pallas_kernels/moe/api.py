@@ -119,15 +119,38 @@ def _extra_dt(backend, g, b, gs, t_dtype):
     return _gmm_backend(backend, g, b, gs, t_dtype, transpose_rhs=True)[:, :r]
 
 
+def dw_sq_shape(w_shape, dtype) -> tuple[int, int, int]:
+    """Shape of the fp32 ref that `grouped_matmul(dw_sink=(ref, row, sq))` fills with the
+    partial sums of squares of a weight gradient [G, Kd, N] (`w_shape`) in `dtype`:
+    [G, N // tn, Kd], tn the dW kernel's column tile where the kernel takes the widths, else
+    [G, 1, Kd]."""
+    g, kd, n = w_shape
+    try:
+        tn = mosaic_tgmm.sq_tile_n(kd, n, dtype)
+    except ValueError:
+        tn = n
+    return g, n // tn, kd
+
+
 def _tgmm_into(backend, x, dy, gs, sink):
     """dw = x^T dy per group (as `_tgmm_backend`) written into sink = (ref [G, Kx, N], row int32
-    []) at rows row .. row + E: in place by the kernel, by a dynamic update of the ref otherwise."""
-    ref, row = sink
+    [][, sq fp32 `dw_sq_shape`]) at rows row .. row + E: in place by the kernel, by a dynamic
+    update of the ref otherwise; sq gets dw's partial sums of squares at the same rows."""
+    ref, row = sink[:2]
+    sq = sink[2] if len(sink) > 2 else None
     if backend == "pallas":
-        mosaic_tgmm.tgmm(x, dy, gs, out=ref, out_row=row)
+        mosaic_tgmm.tgmm(x, dy, gs, out=ref, out_row=row, sq_out=sq)
         return
     dw = _tgmm_backend(backend, x, dy, gs, ref.dtype)
     ref[...] = jax.lax.dynamic_update_slice(ref[...], dw, (row, 0, 0))
+    if sq is not None:
+        # the barrier keeps XLA from squaring the GEMM's unrounded fp32 result (excess precision,
+        # allowed by default on GPU): sq sums the values ref holds, as the kernel's epilogue does
+        dw = jax.lax.optimization_barrier(dw)
+        e, kx, n = dw.shape
+        nt = sq.shape[1]
+        part = jnp.sum(jnp.square(dw.astype(jnp.float32)).reshape(e, kx, nt, n // nt), -1)
+        sq[...] = jax.lax.dynamic_update_slice(sq[...], jnp.swapaxes(part, 1, 2), (row, 0, 0))
 
 
 def _tgmm_backend(backend, x, dy, gs, out_dtype):
@@ -275,11 +298,14 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
         gradient here (its own GEMM gives da = x^T dt). For the kernels, t, b, a are in x's
         dtype and R is a multiple of 16 small enough for shared memory (`extra_fits`; 128 at
         V2-Lite's widths); otherwise "auto" runs the reference.
-      dw_sink: None, or (ref, row): w's gradient is written into the mutable ref (`jax.new_ref`
-        / `jax.empty_ref`, [G, Kd, N] in w's dtype, made by the caller outside `jax.grad`) at
-        rows row .. row + E (row an int32 scalar), in place by the dW kernel, and w itself gets
-        a zero gradient; e.g. layer l of an unrolled stack writes its experts' gradient into the
-        stack's gradient at row l * E, so the layers' gradients need no concatenation.
+      dw_sink: None, or (ref, row) or (ref, row, sq): w's gradient is written into the mutable
+        ref (`jax.new_ref` / `jax.empty_ref`, [G, Kd, N] in w's dtype, made by the caller
+        outside `jax.grad`) at rows row .. row + E (row an int32 scalar), in place by the dW
+        kernel, and w itself gets a zero gradient; e.g. layer l of an unrolled stack writes its
+        experts' gradient into the stack's gradient at row l * E, so the layers' gradients need
+        no concatenation. sq, a mutable fp32 ref of shape `dw_sq_shape(ref.shape, w.dtype)`,
+        gets the gradient's partial sums of squares (as stored, in w's dtype) at the same rows,
+        summed by the dW kernel's epilogue: sum(sq) is ||dW||^2 without reading dW again.
     Returns:
       [M, N]. Differentiable in x, w, t and b (custom VJP: dx by a grouped GEMM with transposed
       weights, dw by a ragged-contraction grouped GEMM, computed only when w is differentiated;
@@ -313,11 +339,16 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
             src = (stack.reshape(-1, *w.shape[1:]), jnp.asarray(i * e, jnp.int32))
     gmm = _gmm
     if dw_sink is not None:
-        ref, row = dw_sink
+        ref, row = dw_sink[:2]
         if tuple(ref.shape[1:]) != tuple(w.shape[1:]) or ref.dtype != w.dtype or ref.shape[0] < w.shape[0]:
             raise ValueError(f"dw_sink: {ref.dtype}{list(ref.shape)} does not take w's gradient "
                              f"{w.dtype}{list(w.shape)}")
-        gmm = _gmm_sinking((ref, jnp.asarray(row, jnp.int32)))
+        sq = tuple(dw_sink[2:])
+        want = dw_sq_shape(ref.shape, w.dtype)
+        if sq and (len(dw_sink) > 3 or tuple(sq[0].shape) != want or sq[0].dtype != jnp.float32):
+            raise ValueError(f"dw_sink: squares {[f'{r.dtype}{list(r.shape)}' for r in sq]} do not fit w's "
+                             f"gradient (want float32{list(want)})")
+        gmm = _gmm_sinking((ref, jnp.asarray(row, jnp.int32)) + sq)
     return gmm(x, w, group_sizes.astype(jnp.int32), src, extra, out_dtype, backend)
 
 

@@ -9,7 +9,9 @@ shared-memory budget and interpret switch it shares. Work items are (group, Kx t
 the pipeline walks the group's rows in tk-row steps from the 8-aligned row at or below the
 group's first row (TMA into 8-row-tiled SMEM) and zeroes the rows outside the group in the
 first and last steps. Empty groups give zeros. `out=` writes dw in place into a mutable ref
-(e.g. one layer's rows of a stacked gradient).
+(e.g. one layer's rows of a stacked gradient). `sq_out=` also writes, per output row and
+warpgroup column tile, the sum of squares of dw as stored (after rounding to its dtype): the
+gradient's contribution to a global norm without reading dw back from memory.
 
 Maths: dw = x^T @ dy per expert, the matmul derivative (grouped as in MegaBlocks, arXiv
 2211.15841, sec. 5).
@@ -29,8 +31,21 @@ from pallas_kernels.moe import mosaic_gpu as mg
 from pallas_kernels.moe.mosaic_gpu import DEFAULT_CONFIG, _stages, _transforms, check_dtypes, pick_tile_n
 
 
+def sq_tile_n(kx, n, out_dtype, config=None):
+    """Columns per partial sum of `tgmm(sq_out=...)` for a dw [E, kx, n] in out_dtype: sq_out
+    is [G, n // sq_tile_n(...), kx]. Raises ValueError as `tgmm` for widths it cannot take."""
+    config = config or DEFAULT_CONFIG
+    tm = config.tile_m if kx % config.tile_m == 0 else 64
+    if kx % tm:
+        raise ValueError(f"x width {kx} must be a multiple of 64 for the Mosaic GPU tgmm")
+    tn = min(config.tile_n, pick_tile_n(n))
+    if 2 * tm * tn * jnp.dtype(out_dtype).itemsize > 64 * 1024:  # fp32 outputs: halve the column tile
+        tn = 64
+    return tn
+
+
 @lower_once
-def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=None):
+def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=None, sq_out=None):
     """Ragged-contraction grouped GEMM (weight gradient): dw[g] = x[rows g]^T @ dy[rows g].
 
     Args:
@@ -42,11 +57,15 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
         rows out_row .. out_row + E (e.g. layer l of a stacked gradient [L * E, Kx, N] at
         out_row = l * E), so no [E, Kx, N] buffer is written and copied into it.
       out_row: int or int32 scalar, with out; the caller keeps 0 <= out_row <= G - E.
+      sq_out: None, or a mutable ref fp32 [G, n // sq_tile_n(Kx, n, out_dtype), Kx] that
+        receives at [out_row + g, j, k] (out_row 0 without out) the sum over columns
+        j * tn .. (j + 1) * tn of dw[g, k, :] ** 2, dw rounded to out_dtype first: the sum of
+        its rows out_row .. out_row + E is ||dw||^2 (fp32 partial sums, in any order).
     Returns:
       [E, Kx, N] (None with out); groups with no rows give zeros.
     Raises:
       ValueError: dtype not bf16/f16, Kx not a multiple of 64, N not a multiple of 128, or an
-      out whose shape or dtype does not fit.
+      out or sq_out whose shape or dtype does not fit.
     """
     config = config or DEFAULT_CONFIG
     check_dtypes(x, dy)
@@ -65,12 +84,12 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
         raise ValueError(f"out: {out.dtype}{list(out.shape)} does not take dw {out_dtype}[{e}, {kx}, {n}] "
                          f"(out_row {out_row})")
     tk = config.tile_k
+    tn = sq_tile_n(kx, n, out_dtype, config)
     tm = config.tile_m if kx % config.tile_m == 0 else 64
-    if kx % tm:
-        raise ValueError(f"x width {kx} must be a multiple of 64 for the Mosaic GPU tgmm")
-    tn = min(config.tile_n, pick_tile_n(n))
-    if 2 * tm * tn * out_dtype.itemsize > 64 * 1024:  # fp32 outputs: halve the column tile
-        tn = 64
+    if sq_out is not None and (tuple(sq_out.shape[1:]) != (n // tn, kx) or sq_out.dtype != jnp.float32
+                               or sq_out.shape[0] < e):
+        raise ValueError(f"sq_out: {sq_out.dtype}{list(sq_out.shape)} does not take the squares of dw "
+                         f"{out_dtype}[{e}, {kx}, {n}] (want float32[G, {n // tn}, {kx}])")
     cta_n = 2 * tn
     grid_k, grid_n = kx // tm, n // cta_n
     gs = group_sizes.astype(jnp.int32)
@@ -79,7 +98,7 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
     x_tr = _transforms(tm, x.dtype)
     dy_tr = _transforms(cta_n, x.dtype)
     out_tr = _transforms(tn, out_dtype)
-    out_bytes = 2 * tm * tn * out_dtype.itemsize
+    out_bytes = 2 * tm * tn * out_dtype.itemsize + (2 * tm * 4 if sq_out is not None else 0)
     stages = _stages((tk * tm + tk * cta_n) * itemsize, out_bytes, config.max_concurrent_steps)
 
     def make_pipeline(body, context, steps):
@@ -99,8 +118,11 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
         )
 
     def kernel(starts_ref, sizes_ref, x_ref, dy_ref, *refs):
-        row0 = refs[0][0] if out is not None else 0  # out_row, read from global memory
-        o_ref = refs[-1]
+        refs = list(refs)  # [out_row], [out], [sq_out], then the returned dw without out
+        row0 = refs.pop(0)[0] if out is not None or sq_out is not None else 0  # from global memory
+        o_ref = refs.pop(0) if out is not None else None
+        sq_ref = refs.pop(0) if sq_out is not None else None
+        o_ref = refs.pop(0) if o_ref is None else o_ref
         ignore = lambda *_, **__: None
         dummy_steps = jnp.asarray(1, jnp.int32)  # dynamic grid, as in the real pipelines
 
@@ -109,9 +131,10 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
             allocs=make_pipeline(ignore, ignore, dummy_steps).get_allocations(
                 x_ref.at[:, pl.ds(0, tm)], dy_ref.at[:, pl.ds(0, cta_n)]),
             out_smem=plgpu.SMEM((2, tm, tn), out_dtype, transforms=out_tr),
+            **({"sq_smem": plgpu.SMEM((2, tm), jnp.float32)} if sq_out is not None else {}),
             collective_axes="wg",
         )
-        def _scope(allocs, out_smem):
+        def _scope(allocs, out_smem, sq_smem=None):
             wg = lax.axis_index("wg")
 
             @plgpu.nd_loop((e * grid_k * grid_n,), collective_axes="sm")
@@ -155,11 +178,18 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
                         plgpu.wgmma_wait(0)
                         acc = acc_ref[...]
                         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-                        out_smem[wg] = acc.astype(out_dtype)
+                        stored = acc.astype(out_dtype)
+                        out_smem[wg] = stored
+                        if sq_ref is not None:
+                            r = stored.astype(jnp.float32)
+                            sq_smem[wg] = jnp.sum(r * r, axis=1)
                         plgpu.commit_smem()
                         plgpu.copy_smem_to_gmem(
                             out_smem.at[wg],
                             o_ref.at[row0 + g, pl.ds(ki * tm, tm), pl.ds(ni * cta_n + wg * tn, tn)])
+                        if sq_ref is not None:
+                            plgpu.copy_smem_to_gmem(
+                                sq_smem.at[wg], sq_ref.at[row0 + g, ni * 2 + wg, pl.ds(ki * tm, tm)])
 
                 make_pipeline(mma, context, steps)(
                     x_ref.at[pl.ds(base, m), pl.ds(ki * tm, tm)],
@@ -179,7 +209,11 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=mg.default_interpret(),
     )
+    args = (starts, gs, x, dy)
+    if out is not None or sq_out is not None:
+        args += (jnp.asarray(out_row if out is not None else 0, jnp.int32).reshape(1),)
+    args += tuple(r for r in (out, sq_out) if r is not None)
     if out is None:
-        return call(starts, gs, x, dy)
-    call(starts, gs, x, dy, jnp.asarray(out_row, jnp.int32).reshape(1), out)
+        return call(*args)
+    call(*args)
     return None

@@ -2,6 +2,7 @@
 and the grouped-GEMM entry points (Mosaic GPU kernels in GPU interpret mode on CPU) vs the
 fp32 reference, gradients included, on uniform, Zipf-skewed (empty experts) and all-on-one
 routing. The kernels' own tests are in test_mosaic_gmm.py."""
+import functools
 import sys
 from pathlib import Path
 
@@ -12,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels import _hopper
-from pallas_kernels.moe import (gate_up_swiglu, grouped_matmul, permute, sorted_weights, swiglu, unpermute,
+from pallas_kernels.moe import (dw_sq_shape, gate_up_swiglu, grouped_matmul, permute, sorted_weights, swiglu, unpermute,
                                 unpermute_sum)
 from pallas_kernels.moe import mosaic_gpu
 from pallas_kernels.moe.reference import grouped_matmul_reference
@@ -323,6 +324,47 @@ def test_grouped_matmul_dw_sink_writes_the_stacked_gradient_in_place(impl):
     assert not bool(jnp.any(g_w != 0))
     with pytest.raises(ValueError, match="dw_sink"):
         grouped_matmul(x, stack[0], gs, impl=impl, dw_sink=(jnp.zeros((e, kd, n + 128), jnp.bfloat16), 0))
+
+
+@pytest.mark.parametrize("impl", ["pallas", "reference"])
+def test_grouped_matmul_dw_sink_sums_the_squares_of_the_gradient(impl):
+    """dw_sink=(ref, l * E, sq) in each layer of a stack: sq (`dw_sq_shape`) receives at the
+    layer's rows the partial sums of squares of the gradient written into ref, summing to
+    ||dW_l||^2 of the bf16 values stored; the gradient is bitwise the one written without sq;
+    squares of the wrong shape raise."""
+    m, kd, n, e, layers = 136, 128, 256, 3, 2
+    x, _, _ = operands(m, kd, n, e, seed=17)
+    stack = (jax.random.normal(jax.random.key(18), (layers, e, kd, n)) / 8).astype(jnp.bfloat16)
+    gs = group_sizes_of("zipf", 120, e, seed=17)
+    cot = jax.random.normal(jax.random.key(19), (m, n)).astype(jnp.bfloat16)
+    shape = dw_sq_shape((layers * e, kd, n), stack.dtype)
+    assert shape == (layers * e, n // 128, kd)
+
+    def loss(stack, ref, sq):
+        y = 0.0
+        for i in range(layers):
+            sink = (ref, i * e) + ((sq,) if sq is not None else ())
+            y = y + grouped_matmul(x, stack[i], gs, impl=impl, in_stack=(stack, i),
+                                   dw_sink=sink).astype(jnp.float32)
+        return jnp.sum(y * cot.astype(jnp.float32))
+
+    @functools.partial(jax.jit, static_argnums=1)
+    def sunk(stack, squares):
+        ref = jax.empty_ref(jax.ShapeDtypeStruct((layers * e, kd, n), stack.dtype))
+        sq = jax.empty_ref(jax.ShapeDtypeStruct(shape, jnp.float32)) if squares else None
+        jax.grad(loss)(stack, ref, sq)
+        return ref[...], sq[...] if squares else None
+
+    dw, sq = sunk(stack, True)
+    dw_plain, _ = sunk(stack, False)
+    np.testing.assert_array_equal(np.asarray(dw, np.float32), np.asarray(dw_plain, np.float32))
+    for i in range(layers):
+        want = float(jnp.sum(jnp.square(dw[i * e:(i + 1) * e].astype(jnp.float32))))
+        assert want > 0
+        np.testing.assert_allclose(float(jnp.sum(sq[i * e:(i + 1) * e])), want, rtol=1e-6)
+    ref = jnp.zeros((layers * e, kd, n), jnp.bfloat16)
+    with pytest.raises(ValueError, match="squares"):
+        grouped_matmul(x, stack[0], gs, impl=impl, dw_sink=(ref, 0, jnp.zeros((layers * e, 1, kd), jnp.float32)))
 
 
 def test_fused_gate_up_swiglu_forward_and_grads():

@@ -81,6 +81,43 @@ def test_mosaic_gmm_forward_and_kernels(kind, e, config):
     assert np.all(np.asarray(dw)[empty] == 0)
 
 
+@pytest.mark.parametrize("kind,out_dtype,in_place", [("tail", jnp.bfloat16, True), ("zipf", jnp.float32, True),
+                                                     ("tail", jnp.bfloat16, False)])
+def test_tgmm_sums_of_squares(kind, out_dtype, in_place):
+    """tgmm(sq_out=...): per row of dw and column tile, the sum of squares of dw as stored
+    (rounded to out_dtype), at rows out_row .. out_row + E of the ref (rows outside untouched);
+    with out= into a stacked gradient or alone; bf16 (128-column tiles) and fp32 (64) outputs;
+    379 rows with an empty group. Against the squares of the returned dw."""
+    m, kd, n, e, row = (379 if kind == "tail" else 384), 128, 256, 5, 3
+    x, _, dy = operands(m, kd, n, e, seed=11)
+    gs = group_sizes_of(kind, m, e, seed=11)
+    tn = mosaic_tgmm.sq_tile_n(kd, n, out_dtype)
+    assert tn == (64 if out_dtype == jnp.float32 else 128)
+    g_rows = row + e + 2
+
+    @jax.jit
+    def run(x, dy, gs):
+        sq = jax.new_ref(jnp.full((g_rows, n // tn, kd), -1.0, jnp.float32))
+        if in_place:
+            out = jax.new_ref(jnp.zeros((g_rows, kd, n), out_dtype))
+            mosaic_tgmm.tgmm(x, dy, gs, out=out, out_row=row, sq_out=sq)
+            return out[...][row:row + e], sq[...]
+        return mosaic_tgmm.tgmm(x, dy, gs, out_dtype=out_dtype, sq_out=sq), sq[...]
+
+    dw, sq = run(x, dy, gs)
+    at = row if in_place else 0
+    want = jnp.square(dw.astype(jnp.float32)).reshape(e, kd, n // tn, tn).sum(-1).transpose(0, 2, 1)
+    assert float(jnp.min(want[np.asarray(gs) > 0])) > 0
+    assert rel_err(sq[at:at + e], want) < 1e-6
+    np.testing.assert_allclose(float(jnp.sum(sq[at:at + e])), float(jnp.sum(jnp.square(dw.astype(jnp.float32)))),
+                               rtol=1e-6)
+    assert np.all(np.asarray(sq[at:at + e])[np.asarray(gs) == 0] == 0)
+    outside = np.delete(np.asarray(sq), np.arange(at, at + e), axis=0)
+    assert np.all(outside == -1.0)
+    with pytest.raises(ValueError, match="sq_out"):
+        mosaic_tgmm.tgmm(x, dy, gs, out_dtype=out_dtype, sq_out=jnp.zeros((e, n // tn + 1, kd), jnp.float32))
+
+
 @pytest.mark.parametrize("kind,config,transpose,r", [
     ("zipf", None, False, 64), ("tail", None, False, 64), ("zipf", M_CONFIG, False, 64), ("one", None, True, 64),
     ("zipf", None, False, 16), ("tail", M_CONFIG, False, 32), ("zipf", None, True, 16), ("one", None, True, 32)])
@@ -108,12 +145,22 @@ def test_mosaic_gmm_extra_contraction(kind, config, transpose, r):
                        extra=(t[:, :r - 8], b[..., :r - 8] if transpose else b[:, :r - 8]))
 
 
+def _tgmm_with_squares(tgmm, x, dy, gs):
+    """tgmm writing dw in place into a ref of two layers (at layer 1) and its squares."""
+    e, (kd, n) = gs.shape[0], (x.shape[1], dy.shape[1])
+    out = jax.new_ref(jnp.zeros((2 * e, kd, n), x.dtype))
+    sq = jax.new_ref(jnp.zeros((2 * e, n // mosaic_tgmm.sq_tile_n(kd, n, x.dtype), kd), jnp.float32))
+    tgmm(x, dy, gs, out=out, out_row=e, sq_out=sq)
+    return out[...], sq[...]
+
+
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
 def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
     """GPU interpret mode with race detection, one launch each: the forward GEMM in both
     warpgroup splits, with the SwiGLU epilogue, transposed weights (dx), a group offset into a
-    stack, the weight-gradient GEMM, and the extra contraction (forward and transposed, 64 wide
-    and narrow); a 136-row x with an empty group and rows past the sum."""
+    stack, the weight-gradient GEMM (also in place with its sums of squares), and the extra
+    contraction (forward and transposed, 64 wide and narrow); a 136-row x with an empty group
+    and rows past the sum."""
     monkeypatch.setattr(mosaic_gpu, "default_interpret",
                         lambda: _hopper.interpret_params(detect_races=True))
     gmm, tgmm = mosaic_gpu.gmm.__wrapped__, mosaic_tgmm.tgmm.__wrapped__  # traced afresh
@@ -124,6 +171,7 @@ def test_grouped_gemm_kernels_no_races(kernel_races, monkeypatch):
             gmm(dy, w, gs, transpose_rhs=True),
             gmm(x, jnp.concatenate([w, w]), gs, group_offset=jnp.asarray(e, jnp.int32)),
             tgmm(x, dy, gs),
+            _tgmm_with_squares(tgmm, x, dy, gs),
             gmm(x, w, gs, extra=(x[:, :64], w[:, :64])),
             gmm(dy, w, gs, transpose_rhs=True, extra=(dy[:, :128], w[:, :, :128])),
             gmm(x, w, gs, extra=(x[:, :16], w[:, :16])),
