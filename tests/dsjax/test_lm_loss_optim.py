@@ -8,7 +8,7 @@ import pytest
 
 from dsjax.config import OptimConfig
 from dsjax.model.lm_loss import lm_head_loss, num_chunks
-from dsjax.train.optim import build_optimizer, decay_mask
+from dsjax.train.optim import build_optimizer, clip_by_global_norm, decay_mask
 
 
 def _inputs(dtype, B=2, T=16, D=32, V=100, seed=0):
@@ -112,6 +112,26 @@ def test_adamw_fp32_matches_optax():
         q = optax.apply_updates(q, u)
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(q)):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("scale", [0.5, 0.01])
+def test_clip_takes_the_callers_norm(scale):
+    """optim.clip_by_global_norm: given the gradients' own norm (grad_norm=), bitwise optax's clip,
+    above the threshold and below it; without it, the norm it computes; a caller's norm is the
+    one used (the train step passes the norm it summed partly in the expert kernels)."""
+    g = jax.tree.map(lambda x: scale * x, _tree(3, jnp.float32))
+    norm = optax.tree.norm(g)
+    assert (float(norm) > 1.0) == (scale == 0.5)
+    ours, ref = clip_by_global_norm(1.0), optax.clip_by_global_norm(1.0)
+    want = ref.update(g, ref.init(g))[0]
+    want_jit = jax.jit(lambda g: ref.update(g, optax.EmptyState())[0])(g)  # XLA may round differently
+    for u, w in [(ours.update(g, ours.init(g), grad_norm=norm)[0], want), (ours.update(g, ours.init(g))[0], want),
+                 (jax.jit(lambda g, n: ours.update(g, optax.EmptyState(), grad_norm=n)[0])(g, norm), want_jit)]:
+        for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(w)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    u, _ = ours.update(g, optax.EmptyState(), grad_norm=2 * jnp.maximum(norm, 1.0))
+    for a, b in zip(jax.tree.leaves(u), jax.tree.leaves(g)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b) / (2 * max(float(norm), 1.0)), rtol=1e-6)
 
 
 @pytest.mark.parametrize("weights,moments", [("bfloat16", "bfloat16"), ("bfloat16", "float32"),
