@@ -47,3 +47,35 @@ def test_a_cast_reads_its_whole_operand():
     x = jnp.ones((256, 256), jnp.float32)
     ops = _ops(lambda x: x.astype(jnp.bfloat16).reshape(128, 512), x)
     assert sum(b for _, _, b, _ in ops) == x.nbytes + x.size * 2
+
+
+def test_operands_a_kernel_updates_in_place_are_not_counted_whole():
+    """A call whose outputs alias operands (`output_to_operand_aliasing`: a kernel's mutable refs,
+    e.g. the dW kernel writing one layer's rows of the stacked gradient) counts its other
+    operands read and as much written, not the aliased buffers whole; on the call or on the root
+    of the computation it calls (whose parameters map to the call's operands)."""
+    text = "\n".join([
+        "%fused (p0: f32[1024], p1: f32[1048576]) -> f32[1048576] {",
+        "  %p0 = f32[1024]{0} parameter(0)",
+        "  %p1 = f32[1048576]{0} parameter(1)",
+        '  ROOT %k = f32[1048576]{0} custom-call(%p0, %p1), custom_call_target="k", '
+        "output_to_operand_aliasing={{}: (1, {})}",
+        "}",
+        "",
+        "ENTRY %main (x: f32[1024], r: f32[1048576], s: f32[4096]) -> (f32[1048576], f32[4096]) {",
+        "  %x = f32[1024]{0} parameter(0)",
+        "  %r = f32[1048576]{0} parameter(1)",
+        "  %s = f32[4096]{0} parameter(2)",
+        '  %c = (f32[1048576]{0}, f32[4096]{0}) custom-call(%x, %r, %s), custom_call_target="k", '
+        "output_to_operand_aliasing={{0}: (1, {}), {1}: (2, {})}",
+        "  %f = f32[1048576]{0} fusion(%x, %r), kind=kCustom, calls=%fused",
+        "  %e = f32[1024]{0} exponential(%x)",
+        "  ROOT %t = (f32[1048576]{0}, f32[4096]{0}) tuple(%f, %s)",
+        "}",
+    ])
+    comps, _ = S.parse_hlo(text)
+    assert S._aliased_operands(comps["main"][3][5], []) == [1, 2]
+    assert S._aliased_operands(comps["main"][4][5], comps["fused"]) == [1]
+    assert S._aliased_operands(comps["main"][5][5], []) == []
+    moved = {name: b for name, _, b, _ in S.hlo_bytes(text)}
+    assert moved == {"c": 2 * 4096, "f": 2 * 4096, "e": 2 * 4096}
