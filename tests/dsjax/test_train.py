@@ -16,7 +16,8 @@ from dsjax.checkpoint import Checkpointer, abstract_like
 from dsjax.data import stdlib_files
 from dsjax.train import loop
 from dsjax.train.optim import build_optimizer, build_schedule, decay_mask
-from dsjax.train.step import COPY_KEY, checkpointed, compute_copy, init_model, init_state, make_train_step
+from dsjax.train.step import (COPY_KEY, checkpointed, compute_copy, init_model, init_state, initial_loss_scale,
+                              make_train_step)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -382,12 +383,14 @@ def test_cli_log_lines_have_one_format():
     assert "INFO:dsjax" not in r.stderr
 
 
-@pytest.mark.parametrize("extra", [[], ["model.moe_recompute=true"]])
+@pytest.mark.parametrize("extra", [[], ["model.moe_recompute=true"], ["model.dtype=float16"]])
 def test_expert_gradients_written_in_place_equal_the_stacked_ones(tmp_path, monkeypatch, extra):
     """Unrolled MoE layers on one device write their routed experts' weight gradients into the
-    stacked gradient in place (`moe.expert_grad_sinks`, one uninitialised ref per projection);
-    two train steps give bitwise the params, moments and metrics of the per-layer gradients
-    stacked after the backward (the sinks switched off). Not under model.moe_recompute."""
+    stacked gradient in place (`moe.expert_grad_sinks`, one uninitialised ref per projection)
+    and their sums of squares for the global norm; two train steps give bitwise the params,
+    moments and metrics (grad norms included) of the per-layer gradients stacked after the
+    backward (the sinks switched off); under fp16 too, whose loss-scaled squares are unscaled.
+    Not under model.moe_recompute."""
     import dsjax.train.step as step_mod
     cfg = _small(tmp_path, "model.num_hidden_layers=3", *extra)  # 2 MoE layers
     fns, p, r = init_model(cfg)
@@ -396,10 +399,10 @@ def test_expert_gradients_written_in_place_equal_the_stacked_ones(tmp_path, monk
     make = lambda: make_train_step(cfg, fns, tx, sched)  # noqa: E731
     def two_steps():
         step = jax.jit(make())
-        s, _ = step(init_state(p, r, tx), b)
+        s, _ = step(init_state(p, r, tx, initial_loss_scale(cfg)), b)  # fp16: 2^15
         return step(s, _batch(cfg, 1, 1))  # the first step's learning rate is 0 (warmup)
     sunk = "empty_ref" in str(jax.make_jaxpr(make())(init_state(p, r, tx), b))
-    assert sunk == (not extra)
+    assert sunk == ("model.moe_recompute=true" not in extra)
     s1, m1 = two_steps()
     monkeypatch.setattr(step_mod, "EXPERT_PROJS", ())
     assert "empty_ref" not in str(jax.make_jaxpr(make())(init_state(p, r, tx), b))
