@@ -214,33 +214,33 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         device, layers unrolled, no remat and no model.moe_recompute: with jax 0.11.2 a step
         that writes a ref under `jax.checkpoint` fails at execution with an argument-count
         error): their dW kernels write the stacked gradient there, and its partial sums of
-        squares into the second ref (`moe.expert_grad_sinks`). None when the model will not
-        take them."""
+        squares into the second ref (`moe.expert_grad_sinks`). (None, None) when the model will
+        not take them."""
         ctx = shr.current()
         if (not has_moe or mcfg.scan_layers or mcfg.remat != "none" or mcfg.moe_recompute
                 or (ctx is not None and ctx.mesh.size > 1)):
-            return None
+            return None, None
         mlp = weights.get("moe_layers", {}).get("mlp", {})
         shapes = {p: (w.shape[0] * w.shape[1],) + w.shape[2:]
                   for p, w in mlp.items() if p in EXPERT_PROJS and hasattr(w, "shape")}
         if not shapes:
-            return None
+            return None, None
         return ({p: jax.empty_ref(jax.ShapeDtypeStruct(sh, mlp[p].dtype)) for p, sh in shapes.items()},
                 {p: jax.empty_ref(jax.ShapeDtypeStruct(dw_sq_shape(sh, mlp[p].dtype), jnp.float32))
                  for p, sh in shapes.items()})
 
-    def take_sunk(grads, sinks, used):
+    def take_sunk(grads, dw_refs, sq_refs, used):
         """(grads with each stack whose every layer wrote its sink replaced by the sink's value,
         {name: that stack's sum of squares from its squares' ref})."""
-        if not sinks:
+        if not dw_refs:
             return grads, {}
         L = mcfg.num_moe_layers
         mlp = dict(grads["moe_layers"]["mlp"])
         sq = {}
-        for p, ref in sinks[0].items():
+        for p, ref in dw_refs.items():
             if used[p] == set(range(L)):
                 mlp[p] = ref[...].reshape(mlp[p].shape)
-                sq[p] = jnp.sum(sinks[1][p][...])
+                sq[p] = jnp.sum(sq_refs[p][...])
             elif used[p]:  # a partly written sink would give wrong gradients: fail at trace time
                 raise RuntimeError(f"train_step: moe_layers.mlp.{p}: only layers {sorted(used[p])} of "
                                    f"{L} wrote their expert gradients in place")
@@ -295,11 +295,11 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
                 aux0["mtp_expert_counts"] = jnp.zeros((n_mtp, mcfg.n_routed_experts))
         if n_accum == 1:  # no accumulator: saves a zero-fill and an add over every parameter
             mb = jax.tree.map(lambda x: x[0], batch)
-            sinks = expert_sinks(weights)
-            with expert_grad_sinks(*(sinks or (None,))) as used:
+            dw_refs, sq_refs = expert_sinks(weights)
+            with expert_grad_sinks(dw_refs, sq_refs) as used:
                 (_, (nll_sum, aux)), grads = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total,
                                                      n_real, frozen=frozen, key=mb.get("lora_key"))
-            grads, sunk_sq = take_sunk(grads, sinks, used)
+            grads, sunk_sq = take_sunk(grads, dw_refs, sq_refs, used)
             aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
         else:
             zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)

@@ -136,8 +136,8 @@ def _tgmm_into(backend, x, dy, gs, sink):
     """dw = x^T dy per group (as `_tgmm_backend`) written into sink = (ref [G, Kx, N], row int32
     [][, sq fp32 `dw_sq_shape`]) at rows row .. row + E: in place by the kernel, by a dynamic
     update of the ref otherwise; sq gets dw's partial sums of squares at the same rows."""
-    ref, row = sink[:2]
-    sq = sink[2] if len(sink) > 2 else None
+    ref, row, *sq = sink
+    sq = sq[0] if sq else None
     if backend == "pallas":
         mosaic_tgmm.tgmm(x, dy, gs, out=ref, out_row=row, sq_out=sq)
         return
@@ -256,7 +256,7 @@ _gmm.defvjp(_gmm_fwd, _gmm_bwd, symbolic_zeros=True)
 
 
 def _gmm_sinking(sink):
-    """`_gmm` whose weight gradient is written into sink = (ref, row) (`_tgmm_into`)."""
+    """`_gmm` whose weight gradient is written into sink = (ref, row[, sq]) (`_tgmm_into`)."""
     f = jax.custom_vjp(_gmm_impl, nondiff_argnums=(5, 6))
     f.defvjp(_gmm_fwd, lambda out_dtype, backend, res, g: _gmm_bwd(out_dtype, backend, res, g, sink),
              symbolic_zeros=True)
@@ -339,16 +339,15 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
             src = (stack.reshape(-1, *w.shape[1:]), jnp.asarray(i * e, jnp.int32))
     gmm = _gmm
     if dw_sink is not None:
-        ref, row = dw_sink[:2]
+        ref, row, *sq = dw_sink
         if tuple(ref.shape[1:]) != tuple(w.shape[1:]) or ref.dtype != w.dtype or ref.shape[0] < w.shape[0]:
             raise ValueError(f"dw_sink: {ref.dtype}{list(ref.shape)} does not take w's gradient "
                              f"{w.dtype}{list(w.shape)}")
-        sq = tuple(dw_sink[2:])
-        want = dw_sq_shape(ref.shape, w.dtype)
-        if sq and (len(dw_sink) > 3 or tuple(sq[0].shape) != want or sq[0].dtype != jnp.float32):
+        want = dw_sq_shape(ref.shape, w.dtype) if sq else None
+        if sq and (len(sq) > 1 or tuple(sq[0].shape) != want or sq[0].dtype != jnp.float32):
             raise ValueError(f"dw_sink: squares {[f'{r.dtype}{list(r.shape)}' for r in sq]} do not fit w's "
                              f"gradient (want float32{list(want)})")
-        gmm = _gmm_sinking((ref, jnp.asarray(row, jnp.int32)) + sq)
+        gmm = _gmm_sinking((ref, jnp.asarray(row, jnp.int32), *sq))
     return gmm(x, w, group_sizes.astype(jnp.int32), src, extra, out_dtype, backend)
 
 

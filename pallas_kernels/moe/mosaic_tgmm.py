@@ -31,17 +31,21 @@ from pallas_kernels.moe import mosaic_gpu as mg
 from pallas_kernels.moe.mosaic_gpu import DEFAULT_CONFIG, _stages, _transforms, check_dtypes, pick_tile_n
 
 
-def sq_tile_n(kx, n, out_dtype, config=None):
-    """Columns per partial sum of `tgmm(sq_out=...)` for a dw [E, kx, n] in out_dtype: sq_out
-    is [G, n // sq_tile_n(...), kx]. Raises ValueError as `tgmm` for widths it cannot take."""
-    config = config or DEFAULT_CONFIG
+def _tiles(kx, n, out_dtype, config):
+    """(tm, tn): rows of x^T and columns of dy per warpgroup's output tile."""
     tm = config.tile_m if kx % config.tile_m == 0 else 64
     if kx % tm:
         raise ValueError(f"x width {kx} must be a multiple of 64 for the Mosaic GPU tgmm")
     tn = min(config.tile_n, pick_tile_n(n))
     if 2 * tm * tn * jnp.dtype(out_dtype).itemsize > 64 * 1024:  # fp32 outputs: halve the column tile
         tn = 64
-    return tn
+    return tm, tn
+
+
+def sq_tile_n(kx, n, out_dtype, config=None):
+    """Columns per partial sum of `tgmm(sq_out=...)` for a dw [E, kx, n] in out_dtype: sq_out
+    is [G, n // sq_tile_n(...), kx]. Raises ValueError as `tgmm` for widths it cannot take."""
+    return _tiles(kx, n, out_dtype, config or DEFAULT_CONFIG)[1]
 
 
 @lower_once
@@ -84,8 +88,7 @@ def tgmm(x, dy, group_sizes, *, out_dtype=None, config=None, out=None, out_row=N
         raise ValueError(f"out: {out.dtype}{list(out.shape)} does not take dw {out_dtype}[{e}, {kx}, {n}] "
                          f"(out_row {out_row})")
     tk = config.tile_k
-    tn = sq_tile_n(kx, n, out_dtype, config)
-    tm = config.tile_m if kx % config.tile_m == 0 else 64
+    tm, tn = _tiles(kx, n, out_dtype, config)
     if sq_out is not None and (tuple(sq_out.shape[1:]) != (n // tn, kx) or sq_out.dtype != jnp.float32
                                or sq_out.shape[0] < e):
         raise ValueError(f"sq_out: {sq_out.dtype}{list(sq_out.shape)} does not take the squares of dw "
