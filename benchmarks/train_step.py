@@ -20,7 +20,9 @@ sharded, step jitted with donated state). Columns: step time, tokens/s, model TF
 (6 x active params + causal attention FLOP per token, `dsjax.train.metrics.flops_per_token`,
 against 989 TFLOP/s dense bf16), peak device memory (dsjax: the allocator's
 `peak_bytes_in_use`; HF: `torch.cuda.max_memory_allocated`), and the ratio to the torch.compile
-peer. `--profile DIR` traces three more dsjax steps and prints each row's device time per part
+peer. Under the table, per dsjax row: the bytes in use with the state resident, XLA's footprint
+of one step (`memory_analysis()`), and the allocator's peak after building the state, after
+compiling and after the first step, which say where the row's peak was reached. `--profile DIR` traces three more dsjax steps and prints each row's device time per part
 of the step (attention, experts, dense GEMMs, lm_head + loss, optimizer, ...). Under the table,
 each row's median SM clock and power over its timed steps and its energy per step
 (`gpu_power.py`, read through NVML): whether the row ran at the GPU's power cap. `--paired
@@ -93,6 +95,14 @@ def time_steps(compiled, state, batch, warmup: int, steps: int):
     return state, m, dt, ps.summary()
 
 
+def describe_memory(mem: dict) -> str:
+    """One line from run_dsjax's "memory": where the allocator's peak was reached."""
+    f = lambda k: f"{mem[k]:.2f}" if mem.get(k) else "-"  # noqa: E731
+    return (f"GB in use with the state {f('state_in_use_gb')}; XLA's step footprint {f('step_gb')}; "
+            f"allocator peak after the state {f('state_peak_gb')}, after compiling "
+            f"{f('compile_peak_gb')}, after the first step {f('first_step_peak_gb')}")
+
+
 # -- dsjax -----------------------------------------------------------------------------------
 def run_dsjax(args, row: str) -> dict:
     """One dsjax row: the train step as `dsjax.train.loop` builds it, timed over args.steps."""
@@ -116,16 +126,23 @@ def run_dsjax(args, row: str) -> dict:
     step = jit_train_step(cfg, fns, tx, sched, par, sh)
     B, T = cfg.data.batch_size, args.seq
     batch = global_batch(par, random_batch(cfg.model.vocab_size, B, T), 1)
+    gb = lambda key: (jax.devices()[0].memory_stats() or {}).get(key, 0) / 1e9 or None  # noqa: E731
+    mem = {"state_in_use_gb": gb("bytes_in_use"), "state_peak_gb": gb("peak_bytes_in_use")}
     t0 = time.perf_counter()
     compiled = step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
+    mem["compile_peak_gb"] = gb("peak_bytes_in_use")
+    ma = compiled.memory_analysis()
+    if ma is not None:  # XLA's footprint of one step: arguments + outputs - aliased + temporaries
+        mem["step_gb"] = (ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes
+                          + ma.temp_size_in_bytes) / 1e9
     state, m = compiled(state, batch)
     first_loss = float(m["loss"])
+    mem["first_step_peak_gb"] = gb("peak_bytes_in_use")
     state, m, dt, gpu = time_steps(compiled, state, batch, 2, args.steps)
-    stats = jax.devices()[0].memory_stats() or {}
     out = {"row": f"dsjax {row}", "devices": n_dev, "step_ms": dt * 1e3,
            "tokens_per_s": B * T / dt / n_dev, "flops_per_token": flops_per_token(cfg.model, T),
-           "peak_gb": stats.get("peak_bytes_in_use", 0) / 1e9 or None, "compile_s": compile_s,
+           "peak_gb": gb("peak_bytes_in_use"), "memory": mem, "compile_s": compile_s,
            "first_loss": first_loss, "loss": float(m["loss"]), "gpu": gpu}
     if "expert_load_max_over_mean" in m:  # per MoE layer: the busiest expert's rows / the mean
         out["expert_load_max_over_mean"] = [round(float(x), 2) for x in m["expert_load_max_over_mean"]]
@@ -464,6 +481,9 @@ def main() -> None:
     for r in results:
         if "error" not in r:
             print(f"  {r['row']}: {describe(r.get('gpu'), args.steps)}")
+    for r in results:
+        if r.get("memory"):
+            print(f"  {r['row']}: {describe_memory(r['memory'])}")
     if extra or args.baseline:
         print("\n".join(paired_lines(results, rows, extra, args.baseline)))
     for r in results:

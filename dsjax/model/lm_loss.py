@@ -5,10 +5,11 @@ Legend: B batch, T tokens, D hidden_size, V vocab_size, n chunks of T.
 A plain `log_softmax(h @ w)` keeps [B, T, V] fp32 logits alive from the forward to the backward
 (3.4 GB at B4 x T2048, V 102,400) and its autodiff scatters the target cotangent into a second
 zero-filled logits-sized buffer. Here the forward walks the sequence in n chunks: per chunk it
-writes the chunk's fp32 logits, reduces them to the log-sum-exp and the target logit, and turns
-them at once into the gradient, which it rounds to the compute dtype and feeds to the two
-gradient GEMMs. Only dh [B, T, D] and dw [D, V] (compute dtype) outlive the forward. The GEMM
-FLOPs are those of forward + backward without fusion; no GEMM is recomputed.
+writes the chunk's fp32 logits, reduces them in one read to the log-sum-exp
+(`logsumexp_one_pass`) and the target logit, and turns them at once into the gradient, which it
+rounds to the compute dtype and feeds to the two gradient GEMMs. Only dh [B, T, D] and dw [D, V]
+(compute dtype) outlive the forward. The GEMM FLOPs are those of forward + backward without
+fusion; no GEMM is recomputed.
 
 The gradient is known in the forward because the loss is linear in its per-token weights: the
 caller passes the objective's scale (`weight`, e.g. loss_scale / n_target_tokens) and the
@@ -46,6 +47,27 @@ def round_to(x, dtype):
     return jax.lax.reduce_precision(x, exponent_bits=fi.nexp, mantissa_bits=fi.nmant)
 
 
+def logsumexp_one_pass(x):
+    """log(sum(exp(x), -1)) of fp32 x [..., V] in one read of x -> fp32 [...].
+
+    A variadic reduction carries each partial's (max m, sum of exp(x - m)) and merges two
+    partials as (M, s1 exp(m1 - M) + s2 exp(m2 - M)) with M = max(m1, m2) (the online softmax's
+    normaliser: Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The
+    two-pass form (max, then the sum of exponentials) reads x twice; this equals it up to fp32
+    rounding. The identity is the most negative finite fp32, so merging it never forms inf - inf;
+    a NaN or +inf in a row makes that row's result NaN, as the two-pass form does.
+    """
+    lo = jnp.float32(jnp.finfo(jnp.float32).min)
+
+    def merge(a, b):
+        (m1, s1), (m2, s2) = a, b
+        m = jnp.maximum(m1, m2)
+        return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m)
+
+    m, s = jax.lax.reduce((x, jnp.ones_like(x)), (lo, jnp.float32(0)), merge, (x.ndim - 1,))
+    return m + jnp.log(s)
+
+
 def _chunk_grads(h, w, targets, mask, weight, round_logits=False):
     """One chunk: h [B, t, D], targets/mask [B, t] -> (nll_sum fp32, dh [B, t, D], dw fp32 [D, V])."""
     if round_logits:  # the GEMM writes h.dtype (fp32 accumulation); read back as fp32
@@ -53,8 +75,7 @@ def _chunk_grads(h, w, targets, mask, weight, round_logits=False):
         logits = round_to(logits.astype(jnp.float32), h.dtype)
     else:
         logits = jnp.einsum("btd,dv->btv", h, w, preferred_element_type=jnp.float32)
-    m = jnp.max(logits, axis=-1, keepdims=True)
-    lse = m[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - m), axis=-1))
+    lse = logsumexp_one_pass(logits)
     tgt = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
     mask = mask.astype(jnp.float32)
     nll_sum = jnp.sum((lse - tgt) * mask)
