@@ -50,19 +50,21 @@ def round_to(x, dtype):
 def logsumexp_one_pass(x):
     """log(sum(exp(x), -1)) of fp32 x [..., V] in one read of x -> fp32 [...].
 
-    A variadic reduction carries each partial's (max m, sum of exp(x - m)) and merges two
-    partials as (M, s1 exp(m1 - M) + s2 exp(m2 - M)) with M = max(m1, m2) (the online softmax's
-    normaliser: Milakov & Gimelshein 2018, "Online normalizer calculation for softmax"). The
-    two-pass form (max, then the sum of exponentials) reads x twice; this equals it up to fp32
-    rounding. The identity is the most negative finite fp32, so merging it never forms inf - inf;
-    a NaN or +inf in a row makes that row's result NaN, as the two-pass form does.
+    A variadic reduction carries each partial's (max m, sum s of exp(x - m)) and merges two
+    partials as (M, s_big + s_small * exp(-|m1 - m2|)) with M = max(m1, m2): the online
+    softmax's normaliser (Milakov & Gimelshein 2018, "Online normalizer calculation for
+    softmax") with one exponential per merge, the partial of the larger max keeping its sum.
+    The two-pass form (max, then the sum of exponentials) reads x twice; this equals it up to
+    fp32 rounding. The identity is the most negative finite fp32, so merging it never forms
+    inf - inf. A NaN in a row gives NaN; +inf gives +inf (NaN for two or more), where the
+    two-pass form gives NaN: not finite either way.
     """
     lo = jnp.float32(jnp.finfo(jnp.float32).min)
 
     def merge(a, b):
         (m1, s1), (m2, s2) = a, b
-        m = jnp.maximum(m1, m2)
-        return m, s1 * jnp.exp(m1 - m) + s2 * jnp.exp(m2 - m)
+        e = jnp.exp(-jnp.abs(m1 - m2))
+        return jnp.maximum(m1, m2), jnp.where(m1 >= m2, s1 + s2 * e, s1 * e + s2)
 
     m, s = jax.lax.reduce((x, jnp.ones_like(x)), (lo, jnp.float32(0)), merge, (x.ndim - 1,))
     return m + jnp.log(s)
