@@ -13,17 +13,21 @@ are its own):
   dsjax matched   bf16 weights, bf16 Adam moments and bf16 logits (`model.round_logits`): the
                   numerics the HF bf16 peers train with
   hf / hf_compile HF transformers DeepseekV2ForCausalLM, bf16 weights (so bf16 AdamW state),
-                  fused AdamW, eager or torch.compile
+                  fused AdamW, eager or torch.compile; no gradient clipping
+  hf_compile_clip hf_compile clipping the gradients' global norm to 1.0 in the compiled step
+                  (HF Trainer's default max_grad_norm; dsjax clips at optim.grad_clip_norm 1.0)
 
 dsjax runs its step as `dsjax.train.loop` does (mesh over every device, fsdp preset, state created
 sharded, step jitted with donated state). Columns: step time, tokens/s, model TFLOP/s and MFU
 (6 x active params + causal attention FLOP per token, `dsjax.train.metrics.flops_per_token`,
 against 989 TFLOP/s dense bf16), peak device memory (dsjax: the allocator's
-`peak_bytes_in_use`; HF: `torch.cuda.max_memory_allocated`), and the ratio to the torch.compile
-peer. Under the table, per dsjax row: the bytes in use with the state resident, XLA's footprint
-of one step (`memory_analysis()`), and the allocator's peak after building the state, after
-compiling and after the first step, which say where the row's peak was reached. `--profile DIR` traces three more dsjax steps and prints each row's device time per part
-of the step (attention, experts, dense GEMMs, lm_head + loss, optimizer, ...). Under the table,
+`peak_bytes_in_use`; HF: `torch.cuda.max_memory_allocated`), and the ratio to the hf_compile
+peer (with hf_compile_clip also run, each dsjax row's ratio to it under the table). Under the
+table, per dsjax row: the bytes in use with the state resident, XLA's footprint of one step
+(`memory_analysis()`), and the allocator's peak after building the state, after compiling and
+after the first step, which say where the row's peak was reached. `--profile DIR` traces three
+more dsjax steps and prints each row's device time per part of the step (attention, experts,
+dense GEMMs, lm_head + loss, optimizer, ...). Under the table,
 each row's median SM clock and power over its timed steps and its energy per step
 (`gpu_power.py`, read through NVML): whether the row ran at the GPU's power cap. `--paired
 KEY=VALUE ...` runs each dsjax row without and with those overrides back to back (`--rounds` times)
@@ -63,8 +67,9 @@ DSJAX_ROWS = {
     "matched": ["model.weight_dtype=bfloat16", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16",
                 "model.round_logits=true"],
 }
-HF_ROWS = {"hf": (False, "HF transformers eager, bf16 weights"),
-           "hf_compile": (True, "HF transformers torch.compile, bf16 weights")}
+HF_ROWS = {"hf": (False, False, "HF transformers eager, bf16 weights"),
+           "hf_compile": (True, False, "HF transformers torch.compile, bf16 weights"),
+           "hf_compile_clip": (True, True, "HF torch.compile, bf16, clip 1.0 (Trainer)")}
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 (datasheet)
 
 
@@ -309,40 +314,46 @@ HF_SCRIPT = r"""
 import json, sys, time, torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 L, B, T, steps, compile_ = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+clip, dev = sys.argv[7] == "1", (sys.argv[8] if len(sys.argv) > 8 else "cuda")
 cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
     num_hidden_layers=L, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
     num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=163840,
     rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
-model = DeepseekV2ForCausalLM(cfg).cuda().to(torch.bfloat16)
+model = DeepseekV2ForCausalLM(cfg).to(dev).to(torch.bfloat16)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-x = torch.randint(0, 102400, (B, T + 1), device="cuda")
+x = torch.randint(0, cfg.vocab_size, (B, T + 1), device=dev)
 def step():
     loss = model(input_ids=x[:, :-1], labels=x[:, 1:]).loss
-    loss.backward(); opt.step(); opt.zero_grad(set_to_none=True)
+    loss.backward()
+    if clip:  # HF Trainer's default max_grad_norm, as dsjax's optim.grad_clip_norm
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step(); opt.zero_grad(set_to_none=True)
     return loss
 if compile_:
     step = torch.compile(step)
 for _ in range(3): step()
 sys.path.insert(0, sys.argv[6])
 from gpu_power import PowerSampler
-torch.cuda.synchronize()
+sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
+sync()
 with PowerSampler() as ps:
     t0 = time.perf_counter()
     for _ in range(steps): l = step()
-    torch.cuda.synchronize(); dt = (time.perf_counter() - t0) / steps
+    sync(); dt = (time.perf_counter() - t0) / steps
 print(json.dumps({"step_ms": dt * 1e3, "tokens_per_s": B * T / dt, "devices": 1, "loss": float(l),
-                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "gpu": ps.summary()}))
+                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None,
+                  "gpu": ps.summary()}))
 """
 
 
 def run_hf(args, peer: str) -> dict:
-    compile_, label = HF_ROWS[peer]
+    compile_, clip, label = HF_ROWS[peer]
     try:
         r = subprocess.run([sys.executable, "-c", HF_SCRIPT, str(args.layers), str(args.batch), str(args.seq),
-                            str(args.steps), "1" if compile_ else "0", os.path.dirname(os.path.abspath(__file__))],
-                           capture_output=True, text=True, timeout=1200)
+                            str(args.steps), "1" if compile_ else "0", os.path.dirname(os.path.abspath(__file__)),
+                            "1" if clip else "0"], capture_output=True, text=True, timeout=1200)
     except subprocess.TimeoutExpired:
         return {"row": label, "error": "timed out"}
     if r.returncode != 0:
@@ -464,7 +475,7 @@ def main() -> None:
             res["parts_ms"] = prof.get("parts_ms", {"error": prof.get("error", "?")})
             res["step_ms_no_command_buffers"] = prof.get("step_ms")
     results += [run_hf(args, r) for r in peers]
-    ref = next((r for r in results if "torch.compile" in r["row"] and "error" not in r), None)
+    ref = next((r for r in results if r["row"] == HF_ROWS["hf_compile"][2] and "error" not in r), None)
     print(f"\nV2-Lite geometry, {args.layers} layers, batch {args.batch} x {args.seq} per device"
           + (f", dsjax --set {' '.join(args.set)}" if args.set else ""))
     print(f"{'row':<46} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8} {'vs compile':>10}")
@@ -481,6 +492,10 @@ def main() -> None:
     for r in results:
         if "error" not in r:
             print(f"  {r['row']}: {describe(r.get('gpu'), args.steps)}")
+    clip_ref = next((r for r in results if r["row"] == HF_ROWS["hf_compile_clip"][2] and "error" not in r), None)
+    for r in results:
+        if clip_ref and r["row"].startswith("dsjax") and "error" not in r:
+            print(f"  {r['row']}: {r['tokens_per_s'] / clip_ref['tokens_per_s']:.2f}x the clipping torch.compile peer")
     for r in results:
         if r.get("memory"):
             print(f"  {r['row']}: {describe_memory(r['memory'])}")
