@@ -314,16 +314,16 @@ HF_SCRIPT = r"""
 import json, sys, time, torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 L, B, T, steps, compile_ = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
-clip, dev = sys.argv[7] == "1", (sys.argv[8] if len(sys.argv) > 8 else "cuda")
+clip = sys.argv[7] == "1"
 cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
     num_hidden_layers=L, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
     qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
     num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=163840,
     rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
                   "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
-model = DeepseekV2ForCausalLM(cfg).to(dev).to(torch.bfloat16)
+model = DeepseekV2ForCausalLM(cfg).cuda().to(torch.bfloat16)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-x = torch.randint(0, cfg.vocab_size, (B, T + 1), device=dev)
+x = torch.randint(0, 102400, (B, T + 1), device="cuda")
 def step():
     loss = model(input_ids=x[:, :-1], labels=x[:, 1:]).loss
     loss.backward()
@@ -336,15 +336,13 @@ if compile_:
 for _ in range(3): step()
 sys.path.insert(0, sys.argv[6])
 from gpu_power import PowerSampler
-sync = torch.cuda.synchronize if dev == "cuda" else (lambda: None)
-sync()
+torch.cuda.synchronize()
 with PowerSampler() as ps:
     t0 = time.perf_counter()
     for _ in range(steps): l = step()
-    sync(); dt = (time.perf_counter() - t0) / steps
+    torch.cuda.synchronize(); dt = (time.perf_counter() - t0) / steps
 print(json.dumps({"step_ms": dt * 1e3, "tokens_per_s": B * T / dt, "devices": 1, "loss": float(l),
-                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9 if dev == "cuda" else None,
-                  "gpu": ps.summary()}))
+                  "peak_gb": torch.cuda.max_memory_allocated() / 1e9, "gpu": ps.summary()}))
 """
 
 
