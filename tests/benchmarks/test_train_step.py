@@ -1,0 +1,37 @@
+"""`benchmarks/train_step.py`'s plumbing that runs without a GPU: the peers' arguments (which one
+clips) and the memory line under the table."""
+import json
+import os
+import subprocess
+import sys
+import types
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks"))
+import train_step as TS  # noqa: E402
+
+
+def test_only_the_clipping_peer_asks_its_script_to_clip(monkeypatch):
+    seen = {}
+
+    def fake_run(argv, **_):
+        seen[argv[-1]] = argv  # [python, -c, script, L, B, T, steps, compile, dir, clip]
+        out = {"step_ms": 80.0, "tokens_per_s": 1e5, "devices": 1, "loss": 11.0, "peak_gb": 21.0, "gpu": None}
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(out) + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = types.SimpleNamespace(layers=4, batch=4, seq=2048, steps=10)
+    rows = {peer: TS.run_hf(args, peer) for peer in ("hf_compile", "hf_compile_clip")}
+    assert rows["hf_compile"]["row"] == TS.HF_ROWS["hf_compile"][2]
+    assert rows["hf_compile_clip"]["row"] == TS.HF_ROWS["hf_compile_clip"][2]
+    assert sorted(seen) == ["0", "1"]  # the clip flag (the script's sys.argv[7]), one peer each
+    assert all(len(a) == 10 and a[7] == "1" for a in seen.values())  # both compiled
+    assert "clip = sys.argv[7] == \"1\"" in TS.HF_SCRIPT
+    assert "if clip:" in TS.HF_SCRIPT and "clip_grad_norm_(model.parameters(), 1.0)" in TS.HF_SCRIPT
+
+
+def test_memory_line_names_each_point_and_marks_what_was_not_read():
+    line = TS.describe_memory({"state_in_use_gb": 13.55, "step_gb": 20.39, "state_peak_gb": 13.55,
+                               "compile_peak_gb": 16.62, "first_step_peak_gb": 20.41})
+    assert line == ("GB in use with the state 13.55; XLA's step footprint 20.39; allocator peak after the "
+                    "state 13.55, after compiling 16.62, after the first step 20.41")
+    assert TS.describe_memory({"step_gb": 0.01, "state_in_use_gb": None}).count("-") == 4
