@@ -249,11 +249,12 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
     def squares(grads, sunk_sq):
         """Per-leaf sums of squares of the fp32 gradients (the tree of grads, fp32 scalars); a
         stack written in place takes its kernels' sum (`take_sunk`), so it is not read again."""
-        sums = jax.tree.map(lambda g: jnp.sum(jnp.square(g)), grads)
-        if sunk_sq:
-            mlp = dict(sums["moe_layers"]["mlp"], **sunk_sq)
-            sums = dict(sums, moe_layers=dict(sums["moe_layers"], mlp=mlp))
-        return sums
+        def leaf(path, g):
+            names = lora_mod.path_names(path)
+            if len(names) == 3 and names[:2] == ("moe_layers", "mlp") and names[2] in sunk_sq:
+                return sunk_sq[names[2]]
+            return jnp.sum(jnp.square(g))
+        return jax.tree_util.tree_map_with_path(leaf, grads)
 
     def train_step(state, batch):
         if batch["inputs"].shape[0] != n_accum:
