@@ -46,6 +46,7 @@ import subprocess
 import sys
 import time
 import traceback
+from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_power import PowerSampler, describe  # noqa: E402
@@ -67,9 +68,15 @@ DSJAX_ROWS = {
     "matched": ["model.weight_dtype=bfloat16", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16",
                 "model.round_logits=true"],
 }
-HF_ROWS = {"hf": (False, False, "HF transformers eager, bf16 weights"),
-           "hf_compile": (True, False, "HF transformers torch.compile, bf16 weights"),
-           "hf_compile_clip": (True, True, "HF torch.compile, bf16, clip 1.0 (Trainer)")}
+class Peer(NamedTuple):
+    compile: bool  # torch.compile the step
+    clip: bool  # clip the gradients' global norm to 1.0
+    label: str  # the row's name in the table
+
+
+HF_ROWS = {"hf": Peer(False, False, "HF transformers eager, bf16 weights"),
+           "hf_compile": Peer(True, False, "HF transformers torch.compile, bf16 weights"),
+           "hf_compile_clip": Peer(True, True, "HF torch.compile, bf16, clip 1.0 (Trainer)")}
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 (datasheet)
 
 
@@ -473,7 +480,10 @@ def main() -> None:
             res["parts_ms"] = prof.get("parts_ms", {"error": prof.get("error", "?")})
             res["step_ms_no_command_buffers"] = prof.get("step_ms")
     results += [run_hf(args, r) for r in peers]
-    ref = next((r for r in results if r["row"] == HF_ROWS["hf_compile"][2] and "error" not in r), None)
+    def peer_row(name):  # the peer's result, None when it did not run or failed
+        return next((r for r in results if r["row"] == HF_ROWS[name].label and "error" not in r), None)
+
+    ref = peer_row("hf_compile")
     print(f"\nV2-Lite geometry, {args.layers} layers, batch {args.batch} x {args.seq} per device"
           + (f", dsjax --set {' '.join(args.set)}" if args.set else ""))
     print(f"{'row':<46} {'step ms':>8} {'tokens/s':>9} {'TFLOP/s':>8} {'MFU':>6} {'peak GB':>8} {'vs compile':>10}")
@@ -490,7 +500,7 @@ def main() -> None:
     for r in results:
         if "error" not in r:
             print(f"  {r['row']}: {describe(r.get('gpu'), args.steps)}")
-    clip_ref = next((r for r in results if r["row"] == HF_ROWS["hf_compile_clip"][2] and "error" not in r), None)
+    clip_ref = peer_row("hf_compile_clip")
     for r in results:
         if clip_ref and r["row"].startswith("dsjax") and "error" not in r:
             print(f"  {r['row']}: {r['tokens_per_s'] / clip_ref['tokens_per_s']:.2f}x the clipping torch.compile peer")
