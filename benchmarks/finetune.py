@@ -3,7 +3,7 @@
     python benchmarks/finetune.py [--rows dsjax_all,hf_peft,dsjax_attn] [--batch 4] [--seq 2048]
         [--steps 5] [--warmup 2] [--time-budget 500] [--set KEY=VALUE ...] [--json FILE] [--tiny]
 
-Model: V2-Lite (`train_step.V2_LITE`: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank
+Model: V2-Lite (`_step_common.V2_LITE`: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank
 512, 64 routed experts top-6 + 2 shared, first_k_dense_replace 1) with all 27 layers, 15.7 B
 parameters, random weights (nothing is downloaded), batch 4 x 2048 random tokens, LoRA rank 16,
 alpha 32, no dropout. Rows (each in its own process, so its peak memory is its own; the most
@@ -95,8 +95,9 @@ import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _step_common import V2_LITE  # noqa: E402
 from gpu_power import PowerSampler, describe  # noqa: E402
-from train_step import V2_LITE, format_parts, random_batch, time_steps, traced_parts  # noqa: E402
+from train_step import format_parts, random_batch, time_steps, traced_parts  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ATTN = ["q_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]

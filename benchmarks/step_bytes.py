@@ -8,7 +8,7 @@ its peak memory and the HBM bytes of each part of the step, to check a change be
 How: a one-device GPU topology described by benchmarks/h200_target_config.txtpb
 (`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)`), the
 kernels targeted at its compile-only device (`pallas_kernels._hopper.target_device`: dispatch
-and Mosaic lowering as on the H200), and train_step.py's model rows and batch (V2-Lite geometry,
+and Mosaic lowering as on the H200), and train_step.py's model rows (`_step_common`) and batch (V2-Lite geometry,
 B4 x T2048) compiled by `dsjax.plan.compile_memory`. Nothing runs.
 
 Prints per row: the compiled peak (argument + output - alias + temp; the 4- and 8-layer steps
@@ -16,7 +16,7 @@ with bf16 weights and moments and fp32 logits give 20.69 and 40.73 GB here, 20.7
 from the H200's allocator, benchmarks/RESULTS.md 2026-12-04 and 2026-12-05), then the bytes each part of the step moves: every op it launches
 (fusion, custom call, copy; ops in loops times the trip count) counts its operands and results,
 except operands it only gathers or slices (their slices) and in-place updates (the update).
-Parts are train_step.py's profile parts (`classify`). For the memory-bound parts the time is
+Parts are train_step.py's profile parts (`_step_common.classify`). For the memory-bound parts the time is
 about bytes / bandwidth (`--tbps`; the profiled H200 steps move their optimizer, loss and norm
 bytes at 3.6-4.1 TB/s); GEMM and kernel rows are compute-bound and their bytes an upper bound.
 `--paired KEY=VALUE ...` compiles each row again with the overrides and prints the change.
@@ -30,7 +30,7 @@ import re
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from train_step import _INSTR, DSJAX_ROWS, V2_LITE, _stack_tables, classify, row_label  # noqa: E402
+from _step_common import DSJAX_ROWS, INSTR, V2_LITE, classify, row_label, stack_tables  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 COMPUTE_WORDS = ("GEMMs", "kernels")  # parts whose time is not their bytes
@@ -87,7 +87,7 @@ def parse_hlo(text: str):
             entry = cur if m.group(1) else entry
         elif line == "}":
             cur = None
-        elif cur is not None and (m := _INSTR.match(line)):
+        elif cur is not None and (m := INSTR.match(line)):
             comps[cur].append((m.group(1), *_split(m.group(2)), m.group(2)))
     return comps, entry
 
@@ -142,7 +142,7 @@ def _aliased_operands(line: str, inner: list) -> list:
 def hlo_bytes(text: str) -> list:
     """The ops a compiled step launches: [(name, part, bytes moved per step, launches per step)]."""
     comps, entry = parse_hlo(text)
-    chain = _stack_tables(text)
+    chain = stack_tables(text)
     ops = []
 
     def walk(comp: str, times: int):

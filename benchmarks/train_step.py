@@ -49,25 +49,13 @@ import traceback
 from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _step_common import DSJAX_ROWS, INSTR, V2_LITE, classify, row_label, stack_tables  # noqa: E402
 from gpu_power import PowerSampler, describe  # noqa: E402
+from step_bytes import by_part, hlo_bytes  # noqa: E402 (the bytes each part moves, from the same HLO)
 
-V2_LITE = ["model.vocab_size=102400", "model.hidden_size=2048", "model.num_attention_heads=16",
-           "model.q_lora_rank=null", "model.kv_lora_rank=512", "model.qk_nope_head_dim=128",
-           "model.qk_rope_head_dim=64", "model.v_head_dim=128", "model.n_routed_experts=64",
-           "model.num_experts_per_tok=6", "model.n_shared_experts=2", "model.moe_intermediate_size=1408",
-           "model.intermediate_size=10944", "model.first_k_dense_replace=1", "model.topk_method=greedy",
-           "model.scoring_func=softmax", "model.norm_topk_prob=false", "model.n_group=1",
-           "model.topk_group=1", "model.routed_scaling_factor=1.0", "model.dtype=bfloat16",
-           "model.max_position_embeddings=163840",
-           "model.rope_scaling={factor: 40, original_max_position_embeddings: 4096, mscale: 0.707, mscale_all_dim: 0.707}"]
 VOCAB, DENSE_WIDTHS = 102400, (10944, 2 * 1408)
 
-# dsjax rows: config overrides on top of V2_LITE
-DSJAX_ROWS = {
-    "default": [],
-    "matched": ["model.weight_dtype=bfloat16", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16",
-                "model.round_logits=true"],
-}
+
 class Peer(NamedTuple):
     compile: bool  # torch.compile the step
     clip: bool  # clip the gradients' global norm to 1.0
@@ -168,74 +156,6 @@ def run_dsjax(args, row: str) -> dict:
 
 
 # -- per-part device time --------------------------------------------------------------------
-_INSTR = re.compile(r"^\s*(?:ROOT\s+)?%?([\w.\-]+)\s*=\s*(.*)$")
-
-
-def _stack_tables(hlo_text: str):
-    """The compiled module's stack tables: frame id -> [function names, innermost first]."""
-    sec, cur = {}, None
-    for line in hlo_text.splitlines():
-        if line in ("FileNames", "FunctionNames", "FileLocations", "StackFrames"):
-            cur = sec.setdefault(line, {})
-            continue
-        m = re.match(r"^(\d+) (.*)$", line) if cur is not None else None
-        if m:
-            cur[int(m.group(1))] = m.group(2)
-        elif cur is not None and line.strip():
-            cur = None
-    funcs = {i: v.strip('"') for i, v in sec.get("FunctionNames", {}).items()}
-    locs = {i: int(dict(re.findall(r"(\w+)=(\d+)", v))["function_name_id"])
-            for i, v in sec.get("FileLocations", {}).items()}
-    frames = {i: {k: int(v) for k, v in re.findall(r"(\w+)=(\d+)", r)} for i, r in sec.get("StackFrames", {}).items()}
-
-    def chain(fid):
-        out, seen = [], set()
-        while fid in frames and fid not in seen:  # parent ids count from 0, frame ids from 1
-            seen.add(fid)
-            out.append(funcs.get(locs.get(frames[fid]["file_location_id"]), "?"))
-            fid = frames[fid]["parent_frame_id"] - 1
-        return out
-    return chain
-
-
-def classify(name: str, text: str, funcs: list[str]) -> str:
-    """The part of the step an HLO op belongs to, from its text and the Python call chain
-    (function names, innermost first) that traced it."""
-    f = " ".join(funcs)
-    if not text:  # the trace named a kernel that is not an op of the step's HLO
-        return "memcpy" if "memcpy" in name.lower() else "unmapped"
-    if "lora_factors" in f or "LoraAdapter." in f:  # the fused t B counts as an MoE kernel
-        return "LoRA adapters (GEMMs, glue)"
-    if "mosaic_gpu" in text:
-        return "attention kernels" if "flash_attention" in f else "MoE kernels (GEMMs, permute)"
-    if "__cublas" in text or "gemm" in name:
-        if "lm_head" in f or "_chunk_grads" in f or "logits" in f:
-            return "lm_head GEMMs"
-        if "MLP.__call__" in f:
-            return "dense MLP + shared expert GEMMs"
-        if "MLA" in f:
-            return "attention projection GEMMs"
-        return "router and other GEMMs"
-    if name.startswith("copy") or " copy(" in text:
-        return "copies"
-    if "compute_weights" in f:
-        return "weight casts"
-    if "lm_head_loss" in f or "_chunk_grads" in f or "lm_loss" in f:
-        return "lm_head + loss elementwise"
-    if "train_step" in f and "micro_loss" not in f:
-        return "optimizer, clip, finite check"
-    rules = (("route", "router + balance stats"), ("balance_stats", "router + balance stats"),
-             ("MoE.", "MoE glue (SwiGLU, combine)"), ("MLP.__call__", "dense MLP SwiGLU"),
-             ("RMSNorm.", "RMSNorm"), ("MLA.", "attention glue (RoPE, K/V)"),
-             ("DeepSeekModel.embed", "embedding"), ("DecoderLayer.", "residual adds"),
-             ("DeepSeekModel._run_stack", "layer stacking"))
-    for key, part in rules:  # a function name equal to key, or a method of the class key names
-        if any(x == key or (key.endswith(".") and x.startswith(key)) or x.startswith(key + ".")
-               for x in funcs):
-            return part
-    return "other"
-
-
 def traced_parts(compiled, state, batch, trace_dir: str, n_steps: int) -> dict:
     """Run `n_steps` more steps of the compiled train step under a jax.profiler trace into
     trace_dir and return their `step_parts`. The state is donated, so the caller's `state` is
@@ -257,10 +177,10 @@ def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
 
     from jax.profiler import ProfileData
 
-    chain = _stack_tables(hlo_text)
+    chain = stack_tables(hlo_text)
     instr = {}
     for line in hlo_text.splitlines():
-        m = _INSTR.match(line)
+        m = INSTR.match(line)
         if m:
             instr.setdefault(m.group(1), m.group(2))
     paths = sorted(glob.glob(f"{trace_dir}/**/*.xplane.pb", recursive=True))
@@ -286,7 +206,6 @@ def step_parts(trace_dir: str, hlo_text: str, n_steps: int) -> dict:
         per[part_of[name]] += ms
     out = dict(per.most_common())
     out["total"] = sum(per.values())
-    from step_bytes import by_part, hlo_bytes  # the bytes each part moves, from the same HLO
     out["gb"] = {k: b / 1e9 for k, (b, _) in by_part(hlo_bytes(hlo_text)).items()}
     out["ops"] = {n: round(ms, 4) for n, ms in ops.most_common()}
     # the 100 largest ops: part, result shape and the innermost traced Python functions
@@ -365,12 +284,6 @@ def run_hf(args, peer: str) -> dict:
         err = "out of memory" if "OutOfMemory" in r.stderr else r.stderr.strip().splitlines()[-1][-200:]
         return {"row": label, "error": err}
     return {"row": label, **json.loads(r.stdout.strip().splitlines()[-1])}
-
-
-def row_label(row: str, extra: tuple = (), baseline: bool = False) -> str:
-    """A dsjax row's name in the table: "dsjax ROW", plus " + KEY=VALUE" per `--paired` override
-    and " @ baseline" for a run from `--baseline`'s tree."""
-    return f"dsjax {row}" + "".join(f" + {e}" for e in extra) + (" @ baseline" if baseline else "")
 
 
 def run_child(args, row: str, profile: bool = False, extra: tuple = (), tree: str = "") -> dict:
