@@ -41,7 +41,7 @@ H200; --set model.scan_layers=true scans them: under a minute, ~15 % slower) and
 model.moe_recompute=true (the MoE blocks recompute their permutations and SwiGLUs in the
 backward); `--set` adds config overrides to every dsjax row (e.g. --set model.remat=dots_saveable).
 
-Memory, measured on one H200 (benchmarks/RESULTS.md, 2026-12-01 and 2026-12-02, no remat): dsjax_attn
+Memory, measured on one H200 (benchmarks/RESULTS.md, "LoRA fine-tuning"; no remat): dsjax_attn
 73.6 GB, dsjax_all 94.2 GB (54.8 GB as dsjax_all_dots), both before the residual cuts of f4d032a;
 dsjax_all with model.moe_recompute=true 59.5 GB with model.scan_layers=true (d6372b4), 57.4 GB
 unrolled and 14 % faster (47a6109: the expert kernels read the frozen weights in place from their

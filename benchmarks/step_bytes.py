@@ -8,17 +8,18 @@ its peak memory and the HBM bytes of each part of the step, to check a change be
 How: a one-device GPU topology described by benchmarks/h200_target_config.txtpb
 (`jax.experimental.topologies.get_topology_desc(platform="cuda", target_config=...)`), the
 kernels targeted at its compile-only device (`pallas_kernels._hopper.target_device`: dispatch
-and Mosaic lowering as on the H200), and train_step.py's model rows (`_step_common`) and batch (V2-Lite geometry,
-B4 x T2048) compiled by `dsjax.plan.compile_memory`. Nothing runs.
+and Mosaic lowering as on the H200), and train_step.py's model rows (`_step_common`) and batch
+(V2-Lite geometry, B4 x T2048) compiled by `dsjax.plan.compile_memory`. Nothing runs.
 
 Prints per row: the compiled peak (argument + output - alias + temp; the 4- and 8-layer steps
 with bf16 weights and moments and fp32 logits give 20.69 and 40.73 GB here, 20.7 and 40.8 GB
-from the H200's allocator, benchmarks/RESULTS.md 2026-12-04 and 2026-12-05), then the bytes each part of the step moves: every op it launches
-(fusion, custom call, copy; ops in loops times the trip count) counts its operands and results,
-except operands it only gathers or slices (their slices) and in-place updates (the update).
-Parts are train_step.py's profile parts (`_step_common.classify`). For the memory-bound parts the time is
-about bytes / bandwidth (`--tbps`; the profiled H200 steps move their optimizer, loss and norm
-bytes at 3.6-4.1 TB/s); GEMM and kernel rows are compute-bound and their bytes an upper bound.
+from the H200's allocator: benchmarks/RESULTS.md, "Step bytes"), then the bytes each part of the
+step moves: every op it launches (fusion, custom call, copy; ops in loops times the trip count)
+counts its operands and results, except operands it only gathers or slices (their slices) and
+in-place updates (the update). Parts are train_step.py's profile parts
+(`_step_common.classify`). For the memory-bound parts the time is about bytes / bandwidth
+(`--tbps`; the profiled H200 steps move their optimizer, loss and norm bytes at 3.6-4.1 TB/s);
+GEMM and kernel rows are compute-bound and their bytes an upper bound.
 `--paired KEY=VALUE ...` compiles each row again with the overrides and prints the change.
 """
 from __future__ import annotations
