@@ -166,7 +166,7 @@ def expand_sources(spec: str | os.PathLike | Iterable[str | os.PathLike],
     if not entries:
         raise FileNotFoundError(f"{name}: no data sources given")
     out: list[pathlib.Path] = []
-    skipped: list[tuple[pathlib.Path, str]] = []
+    skipped: dict[pathlib.Path, str] = {}  # binary file -> why, in the order found
     for entry in entries:
         s = os.path.expanduser(os.fspath(entry))
         if _GLOB_CHARS & set(s):
@@ -192,12 +192,13 @@ def expand_sources(spec: str | os.PathLike | Iterable[str | os.PathLike],
         if len(bad) == len(found):
             raise ValueError(f"{name}: {s} holds no usable file: all {len(found)} are binary or "
                              f"not UTF-8 text (e.g. {bad[0][0]}: {bad[0][1]})")
-        skipped += bad
+        for p, why in bad:
+            skipped.setdefault(p, why)
         drop = {p for p, _ in bad}
         out += [p for p in found if p not in drop]
     if skipped:
         log.warning("%s: skipped %d binary or non-UTF-8 file%s (the first: %s: %s)", name,
-                    len(skipped), "s" if len(skipped) > 1 else "", *skipped[0])
+                    len(skipped), "s" if len(skipped) > 1 else "", *next(iter(skipped.items())))
     seen: set[pathlib.Path] = set()
     return [p for p in out if not (p in seen or seen.add(p))]
 
