@@ -98,7 +98,7 @@ def _check_messages(messages, where: str) -> list[dict]:
     for j, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"{where}: messages[{j}] is {type(m).__name__}, not an object")
-        if "role" not in m:
+        if m.get("role") is None:  # absent, or null (a Parquet struct without it)
             raise ValueError(f"{where}: messages[{j}] has no 'role'")
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: messages[{j}] role {m['role']!r} is not one of "
