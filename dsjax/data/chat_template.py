@@ -97,7 +97,8 @@ class ChatTemplate:
             if self.source.endswith(".json"):  # the template is a string inside the JSON file
                 raise ValueError(f"{self.source}: chat_template line {e.lineno}: syntax error: "
                                  f"{msg}") from None
-            raise ValueError(f"{self.source}:{e.lineno}: chat template syntax error: {msg}") from None
+            raise ValueError(f"{self.source}:{e.lineno}: chat template syntax error: "
+                             f"{msg}") from None
         self.has_generation_blocks = bool(_GENERATION_RE.search(self.text))
 
     def render_with_spans(self, messages: list[dict], add_generation_prompt: bool = False
