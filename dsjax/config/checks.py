@@ -199,7 +199,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config: data.format=chat needs data.tokenizer (the checkpoint's "
                           "tokenizer.json, with its chat template in tokenizer_config.json)")
     if d.format == "chat" and d.train == ["stdlib"]:
-        raise ConfigError("config: data.format=chat needs data.train: JSONL files of conversations")
+        raise ConfigError("config: data.format=chat needs data.train: JSONL or Parquet files of conversations")
     vocab = d.tokenizer_vocab_size or m.vocab_size
     if vocab > m.vocab_size:
         raise ConfigError(f"config: data.tokenizer_vocab_size={vocab} exceeds model.vocab_size={m.vocab_size}")

@@ -148,9 +148,9 @@ class OptimConfig:
 class DataConfig:
     """Corpus, tokenizer and packing."""
 
-    train: list[str] = field(default_factory=lambda: ["stdlib"])  # "stdlib" or files/globs/.jsonl
+    train: list[str] = field(default_factory=lambda: ["stdlib"])  # "stdlib" or files/dirs/globs: text, .jsonl, .parquet
     validation: list[str] = field(default_factory=list)  # empty: split off `train` by file path
-    jsonl_text_field: str = "text"
+    text_field: str = "text"  # JSONL field / Parquet column holding a document's text
     tokenizer: Optional[str] = None  # HF tokenizer.json; None: train byte-level BPE on first use
     tokenizer_vocab_size: Optional[int] = None  # default: model.vocab_size
     val_fraction: float = 0.02

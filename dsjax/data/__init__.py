@@ -9,7 +9,9 @@ Typical wiring::
     val = loader.PackedLoader(corpus.Documents(val_files), tok, batch_size, seq_len, seed,
                               shuffle=False).iter_epoch_once(max_batches=...)
 
-Chat data (supervised fine-tuning, ``chat.py``): JSONL conversations rendered with the
+Sources may be text, JSONL or Parquet files (``parquet.py``: read a row group at a time).
+
+Chat data (supervised fine-tuning, ``chat.py``): JSONL or Parquet conversations rendered with the
 checkpoint's chat template, loss on the assistant's tokens only, packed into the same batches::
 
     tok, train, val = chat.build_loaders(train_files, val_files, "ckpt/tokenizer.json",

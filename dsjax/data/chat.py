@@ -1,13 +1,17 @@
 """Chat data for supervised fine-tuning: conversations -> chat template -> tokens with an
 assistant-only loss mask -> packed rows.
 
-Input. JSONL, one conversation per line, either
+Input. JSONL, one conversation per line, or Parquet, one conversation per row, either
   {"messages": [{"role": "system"|"user"|"assistant", "content": str, ...}, ...]}
 or {"prompt": str, "completion": str} (one user turn, one assistant turn; ``prompt`` and
-``completion`` may also be lists of messages, which are concatenated). Keys other than these are
-ignored; extra message keys (e.g. ``reasoning_content``) are passed on to the template. A line
-that is not valid JSON, a message without a role or string content, an unknown role, and a
-conversation without an assistant message raise ``ValueError("FILE:LINE: ...")``.
+``completion`` may also be lists of messages, which are concatenated); in Parquet these are
+columns (``messages`` a list of structs). Keys other than these are ignored; extra message keys
+(e.g. ``reasoning_content``) are passed on to the template. A line that is not UTF-8 or not
+valid JSON, a message without a role or string content, an unknown role, and a conversation
+without an assistant message raise ``ValueError("FILE:LINE: ...")`` (``"FILE:row N: ..."`` for
+Parquet, rows numbered from 0); a Parquet file without those columns, before any is read.
+Sources that leave no conversation to train on (empty files, every conversation too long)
+raise ValueError naming the config field, each file and why.
 
 Rendering. The checkpoint's ``chat_template`` (``tokenizer_config.json`` or a ``.jinja`` file) is
 rendered the way transformers' ``apply_chat_template`` renders it: a sandboxed jinja2 environment
@@ -70,9 +74,10 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from dsjax.data.chat_template import ChatTemplate, load_chat_template
-from dsjax.data.corpus import expand_sources
+from dsjax.data import parquet
+from dsjax.data.corpus import decode_line, expand_sources
 from dsjax.data.loader import pack_rows
-from dsjax.data.tokenizer import warn_pad_is_eos
+from dsjax.data.tokenizer import read_tokenizer, warn_pad_is_eos
 
 log = logging.getLogger(__name__)
 
@@ -93,7 +98,7 @@ def _check_messages(messages, where: str) -> list[dict]:
     for j, m in enumerate(messages):
         if not isinstance(m, dict):
             raise ValueError(f"{where}: messages[{j}] is {type(m).__name__}, not an object")
-        if "role" not in m:
+        if m.get("role") is None:  # absent, or null (a Parquet struct without it)
             raise ValueError(f"{where}: messages[{j}] has no 'role'")
         if m["role"] not in ROLES:
             raise ValueError(f"{where}: messages[{j}] role {m['role']!r} is not one of "
@@ -126,11 +131,27 @@ def parse_conversation(obj, where: str) -> list[dict]:
     raise ValueError(f"{where}: expected 'messages', or 'prompt' and 'completion'")
 
 
-def read_conversations(paths: Sequence[os.PathLike | str]) -> Iterator[tuple[str, list[dict]]]:
-    """Yield ("file:line", messages) for every non-blank line of the JSONL files, in order."""
+def check_files(paths: Sequence[os.PathLike | str]) -> None:
+    """Check the Parquet files among ``paths`` (readable, with chat columns) without reading
+    their rows. Raises ValueError naming the file (``parquet.chat_columns``)."""
     for path in paths:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            for lineno, line in enumerate(f, 1):
+        if parquet.is_parquet(path):
+            parquet.chat_columns(path)
+
+
+def read_conversations(paths: Sequence[os.PathLike | str]) -> Iterator[tuple[str, list[dict]]]:
+    """Yield ("file:line", messages) for every non-blank line of the JSONL files and
+    ("file:row N", messages) for every row of the Parquet files, in order."""
+    for path in paths:
+        if parquet.is_parquet(path):
+            columns = parquet.chat_columns(path)
+            for row, values in parquet.iter_rows(path, columns):
+                where = f"{path}:row {row}"
+                yield where, parse_conversation(values, where)
+            continue
+        with open(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = decode_line(raw, path, lineno)
                 if not line.strip():
                     continue
                 where = f"{path}:{lineno}"
@@ -165,9 +186,7 @@ class ChatTokenizer:
     def load(cls, tokenizer_path: os.PathLike | str,
              template_path: os.PathLike | str | None = None) -> "ChatTokenizer":
         path = pathlib.Path(tokenizer_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
-        tok = Tokenizer.from_file(str(path))
+        tok = read_tokenizer(path)
         tok.encode_special_tokens = False
         tok.no_padding()
         tok.no_truncation()
@@ -275,22 +294,47 @@ def _exchange_starts(messages: list[dict]) -> tuple[int, list[int]]:
     return head, starts
 
 
+def _nothing_left(name: str, per_file: dict[str, list[int]], seq_len: int,
+                  truncation: str) -> str:
+    """The one-line reason why ``name``'s files left no conversation (see build_dataset)."""
+    why = []
+    for path, (n, too_long, no_answer) in per_file.items():
+        if n == 0:
+            why.append(f"{path} is empty")
+            continue
+        parts = ([f"{too_long} longer than data.seq_len={seq_len} allows ({seq_len + 1} tokens; "
+                  f"data.chat_truncation={truncation})"] if too_long else []) + \
+                ([f"{no_answer} with no answer token left"] if no_answer else [])
+        why.append(f"{path}: all {n} conversation{'s' if n > 1 else ''} dropped, "
+                   f"{' and '.join(parts)}")
+    more = f"; and {len(why) - 3} more files" if len(why) > 3 else ""
+    return f"{name}: no conversations left to train on: {'; '.join(why[:3])}{more}"
+
+
 def build_dataset(paths: Sequence[os.PathLike | str], tok: ChatTokenizer, seq_len: int,
-                  truncation: str = "drop", chunk: int = 256) -> ChatDataset:
-    """Read, render, tokenise and truncate every conversation of the JSONL files.
+                  truncation: str = "drop", chunk: int = 256, name: str = "data.train"
+                  ) -> ChatDataset:
+    """Read, render, tokenise and truncate every conversation of the JSONL / Parquet files.
 
     Each kept conversation has at most ``seq_len + 1`` tokens (one row). Logs the counts (a
     warning when anything was dropped or shortened); they are in ``.stats``.
+    ``name``: the config field listing ``paths``, for errors.
+    Raises ValueError for a bad line, row or file (module docstring), and naming ``name``, each
+    file and why (empty; all dropped as too long or without an answer) when no conversation is
+    kept.
     """
     if truncation not in TRUNCATION:
         raise ValueError(f"chat truncation {truncation!r}: expected one of {', '.join(TRUNCATION)}")
+    check_files(paths)
     limit = seq_len + 1
     ds = ChatDataset()
     st = ds.stats
+    per_file = {str(p): [0, 0, 0] for p in paths}  # conversations, too long, no answer left
 
-    def keep(where, ids, trained, shortened=False):
+    def keep(path, where, ids, trained, shortened=False):
         if not trained[1:].any():  # the first token is never a target
             st.dropped_no_answer += 1
+            per_file[path][2] += 1
             return
         st.truncated += shortened
         ds.ids.append(ids)
@@ -303,8 +347,9 @@ def build_dataset(paths: Sequence[os.PathLike | str], tok: ChatTokenizer, seq_le
     def encode(where, convs):
         try:
             return tok.encode_chats(convs)
-        except jinja2.TemplateError as e:
-            raise ValueError(f"{where}: chat template error: {e}") from None
+        except (jinja2.TemplateError, TypeError) as e:
+            msg = " ".join(str(e).split()) or type(e).__name__
+            raise ValueError(f"{where}: chat template error: {msg}") from None
         except ValueError as e:
             raise ValueError(f"{where}: {e}") from None
 
@@ -315,36 +360,42 @@ def build_dataset(paths: Sequence[os.PathLike | str], tok: ChatTokenizer, seq_le
         if not batch:
             return
         st.control_text += sum(any(control.search(m["content"]) for m in msgs)
-                               for _, msgs in batch)
+                               for _, _, msgs in batch)
         try:
-            encoded = tok.encode_chats([m for _, m in batch])
-        except (jinja2.TemplateError, ValueError):
-            encoded = [encode(w, [m])[0] for w, m in batch]  # find and name the failing line
-        for (where, messages), (ids, trained) in zip(batch, encoded):
+            encoded = tok.encode_chats([m for _, _, m in batch])
+        except (jinja2.TemplateError, TypeError, ValueError):
+            encoded = [encode(w, [m])[0] for _, w, m in batch]  # find and name the failing line
+        for (path, where, messages), (ids, trained) in zip(batch, encoded):
             st.conversations += 1
+            per_file[path][0] += 1
             if len(ids) <= limit:
-                keep(where, ids, trained)
+                keep(path, where, ids, trained)
             elif truncation == "drop":
                 st.dropped_too_long += 1
+                per_file[path][1] += 1
             elif truncation == "cut_tail":
-                keep(where, ids[:limit], trained[:limit], shortened=True)
+                keep(path, where, ids[:limit], trained[:limit], shortened=True)
             else:  # drop_turns
                 head, starts = _exchange_starts(messages)
                 for s in starts:
                     ids, trained = encode(where, [messages[:head] + messages[s:]])[0]
                     if len(ids) <= limit:
-                        keep(where, ids, trained, shortened=True)
+                        keep(path, where, ids, trained, shortened=True)
                         break
                 else:
                     st.dropped_too_long += 1
+                    per_file[path][1] += 1
 
     batch = []
-    for where, messages in read_conversations(paths):
-        batch.append((where, messages))
-        if len(batch) == chunk:
-            flush(batch)
-            batch = []
+    for path in per_file:
+        for where, messages in read_conversations([path]):
+            batch.append((path, where, messages))
+            if len(batch) == chunk:
+                flush(batch)
+                batch = []
     flush(batch)
+    if not st.kept:
+        raise ValueError(_nothing_left(name, per_file, seq_len, truncation))
     msg = st.summary(truncation, limit)
     if st.dropped_too_long or st.dropped_no_answer or st.truncated or st.control_text:
         log.warning("chat data: %s", msg)
@@ -498,15 +549,23 @@ def build_loaders(train_paths: Sequence[os.PathLike | str],
     """(tokenizer, train loader of ``rows`` rows, validation loader of ``val_rows`` rows or None).
 
     Without ``val_paths``, a ``val_fraction`` of the training conversations (stable hash of
-    file:line) is held out for validation.
+    file:line) is held out for validation. Parquet files are checked before the tokenizer is
+    loaded; errors as ``build_dataset`` (named ``data.train`` / ``data.validation``).
     """
+    check_files(list(train_paths) + list(val_paths))
     tok = ChatTokenizer.load(tokenizer_path, template_path)
-    train = build_dataset(train_paths, tok, seq_len, truncation)
-    val = build_dataset(val_paths, tok, seq_len, truncation) if val_paths else None
+    train = build_dataset(train_paths, tok, seq_len, truncation, name="data.train")
+    val = (build_dataset(val_paths, tok, seq_len, truncation, name="data.validation")
+           if val_paths else None)
     if val is None and val_fraction > 0:
+        n = len(train)
         train, val = split_dataset(train, val_fraction, seed)
         log.info("chat data: %d conversations held out for validation (val_fraction %g)",
                  len(val), val_fraction)
+        if not len(train):
+            raise ValueError(f"data.train: no conversations left to train on: all {n} were held "
+                             f"out for validation by data.val_fraction={val_fraction:g}; add "
+                             f"conversations, name data.validation files or lower it")
     mk = lambda ds, n, sh: ChatLoader(ds, n, seq_len, tok.pad_id, seed, sh,  # noqa: E731
                                       process_index, process_count)
     return tok, mk(train, rows, True), (mk(val, val_rows, False) if val is not None and len(val)
@@ -518,9 +577,9 @@ def loaders_from_config(d, rows: int, process_index: int = 0, process_count: int
     """``build_loaders`` for a run's ``data`` config section (``format: chat``): sources from
     ``d.train``/``d.validation`` (files, directories, globs); validation loader of
     ``d.batch_size`` rows; without ``d.validation``, ``d.val_fraction`` of the conversations."""
-    val_paths = expand_sources(d.validation) if d.validation else []
-    return build_loaders(expand_sources(d.train), val_paths, d.tokenizer, seq_len=d.seq_len,
-                         rows=rows, val_rows=d.batch_size, seed=d.seed,
+    val_paths = expand_sources(d.validation, "data.validation") if d.validation else []
+    return build_loaders(expand_sources(d.train, "data.train"), val_paths, d.tokenizer,
+                         seq_len=d.seq_len, rows=rows, val_rows=d.batch_size, seed=d.seed,
                          truncation=d.chat_truncation, template_path=d.chat_template,
                          val_fraction=0.0 if val_paths else d.val_fraction,
                          process_index=process_index, process_count=process_count)

@@ -81,13 +81,24 @@ class ChatTemplate:
     """A compiled chat template plus the special-token strings it is rendered with.
 
     ``special`` maps ``bos_token``, ``eos_token``, ... to their text; ``source`` names the file.
+    A template with a syntax error raises ValueError "SOURCE:LINE: chat template syntax error:
+    ..." (for a ``.json`` source "SOURCE: chat_template line LINE: ...", the line counted in
+    the template string).
     """
     text: str
     special: dict[str, str]
     source: str = "<string>"
 
     def __post_init__(self):
-        self._template = _environment().from_string(self.text)
+        try:
+            self._template = _environment().from_string(self.text)
+        except jinja2.TemplateSyntaxError as e:
+            msg = " ".join(e.message.split()) if e.message else type(e).__name__
+            if self.source.endswith(".json"):  # the template is a string inside the JSON file
+                raise ValueError(f"{self.source}: chat_template line {e.lineno}: syntax error: "
+                                 f"{msg}") from None
+            raise ValueError(f"{self.source}:{e.lineno}: chat template syntax error: "
+                             f"{msg}") from None
         self.has_generation_blocks = bool(_GENERATION_RE.search(self.text))
 
     def render_with_spans(self, messages: list[dict], add_generation_prompt: bool = False
@@ -145,6 +156,27 @@ class ChatTemplate:
         return text, spans
 
 
+def _read_utf8(path: pathlib.Path) -> str:
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        line = raw.count(b"\n", 0, e.start) + 1
+        raise ValueError(f"{path}:{line}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset "
+                         f"{e.start})") from None
+
+
+def _read_json(path: pathlib.Path) -> dict:
+    """A JSON object file; ValueError naming PATH (and LINE:COL) when it is not one."""
+    try:
+        obj = json.loads(_read_utf8(path))
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}:{e.lineno}:{e.colno}: not valid JSON ({e.msg})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
+
+
 def load_chat_template(tokenizer_path: os.PathLike | str,
                        template_path: os.PathLike | str | None = None) -> ChatTemplate:
     """The chat template of a checkpoint's tokenizer.
@@ -156,13 +188,18 @@ def load_chat_template(tokenizer_path: os.PathLike | str,
         (e.g. ``chat_template.jinja``); default: ``chat_template.jinja`` beside the tokenizer if
         present, else ``tokenizer_config.json``'s ``chat_template``.
     A ``chat_template`` given as a list of ``{"name", "template"}`` uses the one named ``default``.
+    Raises ValueError naming the file for a file that is not UTF-8 (and the line), a JSON file
+    that does not parse (and line:column) or is not an object, a missing template and a
+    template with a syntax error (``ChatTemplate``).
     """
     tok_dir = pathlib.Path(tokenizer_path).parent
     cfg_path = tok_dir / "tokenizer_config.json"
-    cfg = json.loads(cfg_path.read_text(encoding="utf-8")) if cfg_path.is_file() else {}
+    cfg = _read_json(cfg_path) if cfg_path.is_file() else {}
     if template_path is not None and pathlib.Path(template_path).suffix == ".json":
         cfg_path = pathlib.Path(template_path)
-        cfg = {**cfg, **json.loads(cfg_path.read_text(encoding="utf-8"))}
+        if not cfg_path.is_file():
+            raise FileNotFoundError(f"chat template file not found: {cfg_path}")
+        cfg = {**cfg, **_read_json(cfg_path)}
         template_path = None
     elif template_path is None and (tok_dir / "chat_template.jinja").is_file():
         template_path = tok_dir / "chat_template.jinja"
@@ -170,7 +207,7 @@ def load_chat_template(tokenizer_path: os.PathLike | str,
         source = pathlib.Path(template_path)
         if not source.is_file():
             raise FileNotFoundError(f"chat template file not found: {source}")
-        text = source.read_text(encoding="utf-8")
+        text = _read_utf8(source)
     else:
         source = cfg_path
         text = cfg.get("chat_template")

@@ -108,6 +108,19 @@ class Tok:
         return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=False)
 
 
+def read_tokenizer(path: os.PathLike | str) -> Tokenizer:
+    """``Tokenizer.from_file``; raises FileNotFoundError for a missing file and ValueError
+    "PATH: not a readable tokenizer.json (...)" for one the tokenizers library rejects."""
+    path = pathlib.Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"tokenizer file not found: {path}")
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as e:  # the tokenizers library raises bare Exception
+        msg = " ".join(str(e).split()) or type(e).__name__
+        raise ValueError(f"{path}: not a readable tokenizer.json ({msg})") from None
+
+
 def _find(tok: Tokenizer, names: Sequence[str]) -> int | None:
     for name in names:
         i = tok.token_to_id(name)
@@ -175,9 +188,7 @@ def load_or_train(cache_dir: os.PathLike | str, vocab_size: int,
     """
     if tokenizer_path is not None:
         path = pathlib.Path(tokenizer_path)
-        if not path.is_file():
-            raise FileNotFoundError(f"tokenizer file not found: {path}")
-        return wrap(Tokenizer.from_file(str(path)), path, eos_token, pad_token)
+        return wrap(read_tokenizer(path), path, eos_token, pad_token)
     if fingerprint is None:
         files = getattr(texts_factory, "files", None)
         if files is None:

@@ -249,9 +249,9 @@ def build_data(cfg: C.Config, run_tokenizer: Path | None = None):
         files = stdlib_files()
         train_files, val_files = split_files(files, d.val_fraction, d.seed)
     else:
-        files = expand_sources(d.train)
+        files = expand_sources(d.train, "data.train")
         if d.validation:
-            train_files, val_files = files, expand_sources(d.validation)
+            train_files, val_files = files, expand_sources(d.validation, "data.validation")
         elif d.val_fraction > 0 and len(files) > 1:
             train_files, val_files = split_files(files, d.val_fraction, d.seed)
         else:
@@ -269,7 +269,7 @@ def build_data(cfg: C.Config, run_tokenizer: Path | None = None):
                             f"least {MIN_BPE_VOCAB} (256 bytes and 2 special tokens): "
                             f"model.vocab_size / data.tokenizer_vocab_size is {vocab}")
     cache = Path(d.cache_dir).expanduser()
-    train_docs = Documents(train_files, d.jsonl_text_field)
+    train_docs = Documents(train_files, d.text_field)
     tok = load_or_train(cache, vocab, train_docs, tok_file)
     if tok.vocab_size > cfg.model.vocab_size:
         raise C.ConfigError(f"config: model.vocab_size={cfg.model.vocab_size} is smaller than the "
@@ -279,7 +279,7 @@ def build_data(cfg: C.Config, run_tokenizer: Path | None = None):
     train = PackedLoader(train_docs, tok, rows, d.seq_len, d.seed, process_index=pi, process_count=pc)
     val = None
     if val_files:
-        val = PackedLoader(Documents(val_files, d.jsonl_text_field), tok, d.batch_size, d.seq_len,
+        val = PackedLoader(Documents(val_files, d.text_field), tok, d.batch_size, d.seq_len,
                            d.seed, shuffle=False, process_index=pi, process_count=pc)
     return tok, train, val
 

@@ -463,3 +463,153 @@ def test_chat_training_run(tmp_path):
     recs = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in recs if "loss" in r and "step" in r]
     assert steps and all(np.isfinite(r["loss"]) for r in steps)
+
+
+# ---------------------------------------------------------------- Parquet and bad inputs
+
+def _chat_parquet(path, columns, row_group_size=5):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table(columns), path, row_group_size=row_group_size)
+    return path
+
+
+def test_parquet_conversations_equal_jsonl_and_resume_bitwise(v3, tmp_path, monkeypatch):
+    from dsjax.data import parquet
+    monkeypatch.setattr(parquet, "_BATCH_ROWS", 4)  # record batches within 5-row row groups
+    convs = _many(21) + [CONVERSATIONS[1]]
+    convs[3] = [{"role": "user", "content": "x"},
+                {"role": "assistant", "content": "fine", "reasoning_content": "two plus two"}]
+    jl = _jsonl(tmp_path / "c.jsonl", convs)
+    pq_path = _chat_parquet(tmp_path / "c.parquet", {"messages": convs, "n": list(range(22))})
+    dj, dp = chat.build_dataset([jl], v3, seq_len=96), chat.build_dataset([pq_path], v3, seq_len=96)
+    assert len(dp) == len(dj) == 22 and dp.where[7] == f"{pq_path}:row 7"
+    for a, b, c, d in zip(dj.ids, dp.ids, dj.trained, dp.trained):
+        np.testing.assert_array_equal(a, b)
+        np.testing.assert_array_equal(c, d)
+    pairs = [("how are you", "I am fine"), ("What is two plus two?", "It is four.")] * 3
+    pc = _chat_parquet(tmp_path / "pc.parquet", {"prompt": [p for p, _ in pairs],
+                                                   "completion": [c for _, c in pairs]}, 4)
+    pcj = tmp_path / "pc.jsonl"
+    pcj.write_text("".join(json.dumps({"prompt": p, "completion": c}) + "\n" for p, c in pairs))
+    assert [x.tolist() for x in chat.build_dataset([pc], v3, seq_len=96).ids] == \
+        [x.tolist() for x in chat.build_dataset([pcj], v3, seq_len=96).ids]
+    # resume: the saved position of a loader over Parquet rows continues bitwise
+    a = chat.ChatLoader(dp, 2, 96, v3.pad_id, seed=5)
+    for _ in range(4):
+        next(a)
+    state = json.loads(json.dumps(a.state()))
+    want = [next(a) for _ in range(7)]  # crosses an epoch boundary
+    b = chat.ChatLoader(chat.build_dataset([pq_path], v3, seq_len=96), 2, 96, v3.pad_id, seed=5)
+    b.restore(state)
+    for w in want:
+        got = next(b)
+        for k in w:
+            np.testing.assert_array_equal(w[k], got[k])
+
+
+def test_parquet_chat_bad_inputs_name_the_file(v3, tmp_path):
+    good = _jsonl(tmp_path / "good.jsonl", _many(3))
+    cols = _chat_parquet(tmp_path / "cols.parquet", {"text": ["a"], "id": [1]})
+    with pytest.raises(ValueError) as e:  # found before the tokenizer is loaded or anything read
+        chat.build_loaders([good], [cols], tmp_path / "no-such-tokenizer.json", seq_len=32,
+                           rows=2, val_rows=2)
+    assert str(e.value) == (f"{cols}: chat data (data.format=chat) needs a 'messages' column, or "
+                            f"'prompt' and 'completion' columns; its columns are text, id")
+    rows = _many(4)
+    rows[2] = [{"content": "no role"}, {"role": "assistant", "content": "x"}]
+    bad = _chat_parquet(tmp_path / "bad.parquet", {"messages": rows}, 2)
+    with pytest.raises(ValueError, match=f"^{bad}:row 2: messages\\[0\\] has no 'role'$"):
+        chat.build_dataset([bad], v3, seq_len=32)
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(b"PAR1" + np.random.default_rng(1).bytes(100) + b"PAR1")
+    with pytest.raises(ValueError, match=f"^{junk}: not a readable Parquet file"):
+        chat.build_dataset([good, junk], v3, seq_len=32)
+
+
+def test_non_utf8_chat_line_names_file_and_line(v3, tmp_path):
+    f = tmp_path / "c.jsonl"
+    line = json.dumps({"prompt": "café", "completion": "ok"}, ensure_ascii=False)
+    f.write_bytes(json.dumps({"messages": CONVERSATIONS[0]}).encode() + b"\n"
+                  + line.encode("latin-1") + b"\n")
+    with pytest.raises(ValueError, match=f"^{f}:2: not UTF-8 text \\(byte 0xe9 at column 16\\)"):
+        chat.build_dataset([f], v3, seq_len=64)
+
+
+def test_sources_with_nothing_to_train_on_name_each_file_and_why(v3, tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text("\n  \n\n")
+    long = _jsonl(tmp_path / "long.jsonl", [[{"role": "user", "content": "how are you " * 9},
+                                             {"role": "assistant", "content": "fine " * 9}]] * 2)
+    with pytest.raises(ValueError) as e:
+        chat.build_loaders([empty, blank, long], [], v3.path, seq_len=16, rows=2, val_rows=2)
+    assert str(e.value) == (
+        f"data.train: no conversations left to train on: {empty} is empty; {blank} is empty; "
+        f"{long}: all 2 conversations dropped, 2 longer than data.seq_len=16 allows (17 tokens; "
+        f"data.chat_truncation=drop)")
+    good = _jsonl(tmp_path / "good.jsonl", _many(6))
+    with pytest.raises(ValueError, match=f"^data.validation: no conversations left to train on: "
+                                         f"{blank} is empty$"):
+        chat.build_loaders([good], [blank], v3.path, seq_len=48, rows=2, val_rows=2)
+    one = _jsonl(tmp_path / "one.jsonl", _many(1))
+    with pytest.raises(ValueError, match="all 1 were held out for validation by data.val_fraction=0.99"):
+        chat.build_loaders([one], [], v3.path, seq_len=48, rows=2, val_rows=2, val_fraction=0.99)
+
+
+def test_template_syntax_errors_name_the_source_and_line(tmp_path):
+    broken = "{% for m in messages %}\n{{ m['content'] }}\n{% if m['role'] %}x{% endfo %}\n"
+    path = _write_tokenizer(tmp_path / "cfg", broken)
+    with pytest.raises(ValueError) as e:
+        chat.ChatTokenizer.load(path)
+    cfg = tmp_path / "cfg" / "tokenizer_config.json"
+    assert str(e.value).startswith(f"{cfg}: chat_template line 3: syntax error: Encountered "
+                                   f"unknown tag 'endfo'") and "\n" not in str(e.value)
+    jinja = tmp_path / "t.jinja"
+    jinja.write_text("{{ bos_token }}\n{% for m in messages %}{{ m['content'] }\n{% endfor %}")
+    with pytest.raises(ValueError, match=f"^{jinja}:2: chat template syntax error: ") as e:
+        chat.ChatTokenizer.load(_write_tokenizer(tmp_path / "j", V3_TEMPLATE), jinja)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_tokenizer_files_name_the_file(tmp_path):
+    path = _write_tokenizer(tmp_path / "t", V3_TEMPLATE)
+    cfg = tmp_path / "t" / "tokenizer_config.json"
+    good = cfg.read_text(encoding="utf-8")
+    cfg.write_text('{"chat_template": "x",\n  "eos_token": }\n')
+    with pytest.raises(ValueError, match=f"^{cfg}:2:16: not valid JSON \\(Expecting value\\)$"):
+        chat.ChatTokenizer.load(path)
+    cfg.write_bytes(good.replace('"model_max_length"', '"caf\xe9"').encode("latin-1", "replace"))
+    with pytest.raises(ValueError, match=f"^{cfg}:1: not UTF-8 text \\(byte 0x"):
+        chat.ChatTokenizer.load(path)
+    cfg.write_text("[1, 2]")
+    with pytest.raises(ValueError, match=f"^{cfg}: expected a JSON object, got list$"):
+        chat.ChatTokenizer.load(path)
+    cfg.write_text(good, encoding="utf-8")
+    chat.ChatTokenizer.load(path)
+    path.write_text(path.read_text()[:500])
+    with pytest.raises(ValueError, match=f"^{path}: not a readable tokenizer.json \\("):
+        chat.ChatTokenizer.load(path)
+
+
+def test_empty_chat_file_through_the_cli(tmp_path, monkeypatch, capsys):
+    import sys
+    from pathlib import Path
+
+    from dsjax.cli import run_main
+    from dsjax.train.__main__ import main as train_main
+    tok = _write_tokenizer(tmp_path / "tok", V3_TEMPLATE, bpe_vocab=298)
+    empty = tmp_path / "train.jsonl"
+    empty.write_text("\n\n")
+    root = Path(__file__).resolve().parents[2]
+    sets = ["data.format=chat", f"data.train=[{empty}]", f"data.tokenizer={tok}",
+            f"train.run_dir={tmp_path / 'run'}", "model.vocab_size=300"]
+    monkeypatch.setattr(sys, "argv", ["dsjax.train", "--config", str(root / "configs" / "tiny.yaml"),
+                                      *[a for s in sets for a in ("--set", s)]])
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", train_main)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert ex.value.code == 2 and lines == [
+        f"dsjax.train: error: data.train: no conversations left to train on: {empty} is empty"]
+    assert not (tmp_path / "run").exists()

@@ -321,3 +321,187 @@ def test_fewer_documents_than_rows_are_split(tok):
     firsts = {tok.decode(b["inputs"][r][:8].tolist()) for r in range(8)}
     assert len(firsts) == 8 and all(f.startswith("line ") for f in firsts), firsts
     assert len(list(PackedLoader(["ab"], tok, 4, 8, seed=0).iter_epoch_once())) >= 1
+
+
+# ---------------------------------------------------------------- Parquet, encodings, binaries
+
+def _random_docs(n, seed):
+    rng = np.random.default_rng(seed)
+    words = ["def", "x", "héllo", "日本", "return", "🚀", "\n", "\t", "class", "0x1f", "é"]
+    return [" ".join(rng.choice(words, size=int(rng.integers(3, 40)))) for _ in range(n)]
+
+
+def _parquet(path, docs, row_group_size, column="text", **extra):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    pq.write_table(pa.table({"id": list(range(len(docs))), column: docs, **extra}), path,
+                   row_group_size=row_group_size)
+    return path
+
+
+def test_parquet_documents_stream_by_row_group_and_resume_bitwise(tok, tmp_path, monkeypatch):
+    import pyarrow.parquet as pq
+    from dsjax.data import parquet
+    docs_a, docs_b = _random_docs(23, 1), _random_docs(17, 2)
+    a = _parquet(tmp_path / "a.parquet", docs_a, row_group_size=5)
+    (tmp_path / "sub").mkdir()
+    b = _parquet(tmp_path / "sub" / "b.parquet", docs_b, row_group_size=4, column="content",
+                 text=[f"other {i}" for i in range(17)])
+    assert pq.ParquetFile(a).metadata.num_row_groups == 5
+    # read in record batches of row groups, never a whole table
+    monkeypatch.setattr(parquet, "_BATCH_ROWS", 3)
+    monkeypatch.setattr(pq, "read_table", lambda *a, **k: pytest.fail("whole-table read"))
+    monkeypatch.setattr(pq.ParquetFile, "read", lambda *a, **k: pytest.fail("whole-file read"))
+    assert list(Documents([a])) == docs_a
+    assert list(resolve_sources(tmp_path, field="text")) == docs_a + [f"other {i}" for i in range(17)]
+    assert list(Documents([b], field="content")) == docs_b
+    # the same documents from JSONL give the same batches
+    jl = tmp_path / "a.jsonl"
+    jl.write_text("".join(json.dumps({"text": d}, ensure_ascii=False) + "\n" for d in docs_a))
+    mk = lambda files, field="text": PackedLoader(Documents(files, field), tok, 3, 20, seed=7,  # noqa: E731
+                                                  chunk_docs=4)
+    ref_j, ref_p = mk([jl]), mk([a])
+    for _ in range(4):
+        bj, bp = next(ref_j), next(ref_p)
+        for key in bj:
+            assert np.array_equal(bj[key], bp[key]), key
+    # resume: k batches, state through JSON, a fresh loader continues bitwise
+    for k in (0, 5, 13):  # 13 crosses an epoch boundary
+        ref = mk([a])
+        want = [next(ref) for _ in range(k + 6)]
+        run = mk([a])
+        for _ in range(k):
+            next(run)
+        state = json.loads(json.dumps(run.state()))
+        fresh = mk([a])
+        fresh.restore(state)
+        for exp in want[k:]:
+            got = next(fresh)
+            for key in exp:
+                assert np.array_equal(got[key], exp[key]), (k, key)
+
+
+def test_parquet_bad_inputs_name_file_column_and_field(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    good = _parquet(tmp_path / "good.parquet", _random_docs(12, 3), row_group_size=4)
+    with pytest.raises(ValueError) as e:
+        Documents([good], field="body")
+    msg = str(e.value)
+    assert msg.startswith(f"{good}: no column 'body' (data.text_field)") and "id, text" in msg
+    with pytest.raises(ValueError, match=r"column 'id' \(data.text_field\) holds int64, not strings"):
+        Documents([good], field="id")
+    junk = tmp_path / "junk.parquet"
+    junk.write_bytes(np.random.default_rng(0).bytes(3000))
+    cut = tmp_path / "cut.parquet"
+    cut.write_bytes(good.read_bytes()[:-40])
+    for bad in (junk, cut):
+        with pytest.raises(ValueError, match=f"^{bad}: not a readable Parquet file") as e:
+            Documents([good, bad])
+        assert "\n" not in str(e.value)
+    nulls = tmp_path / "nulls.parquet"
+    pq.write_table(pa.table({"text": ["a", "b", None, "d"]}), nulls, row_group_size=2)
+    with pytest.raises(ValueError, match=f"^{nulls}: row 2: column 'text' \\(data.text_field\\) is null"):
+        list(Documents([nulls]))
+
+
+def _binary(path, seed):
+    data = bytearray(np.random.default_rng(seed).bytes(5000))
+    data[100] = 0
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_binary_and_non_utf8_files_in_a_folder_are_skipped_with_one_warning(tmp_path, caplog):
+    d = tmp_path / "corpus"
+    (d / "deep").mkdir(parents=True)
+    (d / "a.txt").write_text("first ✓\n")
+    (d / "deep" / "b.md").write_text("second\n")
+    _binary(d / "model.bin", 1)
+    _binary(d / "deep" / "w.bin", 2)
+    (d / "latin1.txt").write_bytes("ascii\nline two\ncaf\xe9\n".encode("latin-1"))
+    with caplog.at_level(logging.WARNING, logger="dsjax.data.corpus"):
+        files = corpus.expand_sources([d, str(d / "*.txt")], "data.train")
+    assert files == [d / "a.txt", d / "deep" / "b.md"]
+    warns = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warns) == 1 and "data.train: skipped 3 binary or non-UTF-8 files" in warns[0]
+    assert str(d / "deep" / "w.bin") in warns[0]  # the first found
+    assert list(Documents(files)) == ["first ✓\n", "second\n"]
+    # a folder (or glob) of nothing but binaries: one line naming it and the field
+    only = tmp_path / "only"
+    only.mkdir()
+    _binary(only / "x.bin", 3)
+    with pytest.raises(ValueError, match=f"^data.validation: {only} holds no usable file: all 1 "):
+        corpus.expand_sources(only, "data.validation")
+    with pytest.raises(ValueError, match=r"^data.train: .*\*.bin holds no usable file"):
+        corpus.expand_sources(str(only / "*.bin"))
+    # a file named on its own is an error naming it (and the line of the first bad byte)
+    with pytest.raises(ValueError, match=f"^{d / 'model.bin'}: not UTF-8 text \\(NUL byte at offset 100\\)"):
+        corpus.expand_sources(d / "model.bin")
+    with pytest.raises(ValueError, match=f"^{d / 'latin1.txt'}: not UTF-8 text \\(byte 0xe9 at line 3"):
+        corpus.expand_sources([d / "a.txt", d / "latin1.txt"])
+
+
+def test_not_text_reads_in_chunks(tmp_path, monkeypatch):
+    # multi-byte characters across chunk boundaries are fine; the bad byte's line is exact
+    monkeypatch.setattr(corpus, "_READ_CHUNK", 7)
+    f = tmp_path / "t.txt"
+    text = "ab\n日本語のテキスト\n🚀🐍 é\n" * 5
+    f.write_text(text)
+    assert corpus.not_text(f) is None
+    f.write_bytes(text.encode() + "x\ny\xff\n".encode("latin-1"))
+    assert corpus.not_text(f) == "byte 0xff at line 17 is not UTF-8"
+    f.write_bytes(text.encode() + "日".encode()[:2])
+    assert "ends inside a UTF-8 character" in corpus.not_text(f)
+
+
+def test_non_utf8_jsonl_line_names_file_and_line(tmp_path):
+    f = tmp_path / "d.jsonl"
+    f.write_bytes(b'{"text": "fine"}\n\n' + '{"text": "caf\xe9"}\n'.encode("latin-1"))
+    with pytest.raises(ValueError, match=f"^{f}:3: not UTF-8 text \\(byte 0xe9 at column 14\\)"):
+        list(resolve_sources(f))
+
+
+def _cli(tmp_path, monkeypatch, capsys, sets):
+    """`python -m dsjax.train` (the entry point under run_main, in this process)."""
+    import sys
+    from pathlib import Path
+
+    from dsjax.cli import run_main
+    from dsjax.train.__main__ import main as train_main
+    root = Path(__file__).resolve().parents[2]
+    argv = ["dsjax.train", "--config", str(root / "configs" / "tiny.yaml"),
+            "--set", f"train.run_dir={tmp_path / 'run'}", "--set", f"data.cache_dir={tmp_path / 'cache'}"]
+    for s in sets:
+        argv += ["--set", s]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", train_main)
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert ex.value.code == 2 and len(lines) == 1, lines
+    assert not (tmp_path / "run").exists()
+    return lines[0]
+
+
+@pytest.mark.parametrize("case", ["missing column", "corrupt parquet", "latin-1 jsonl",
+                                  "binary folder", "binary file"])
+def test_bad_data_through_the_cli(tmp_path, monkeypatch, capsys, case):
+    src = tmp_path / "src"
+    src.mkdir()
+    if case == "missing column":
+        path, sets, needle = _parquet(src / "d.parquet", _random_docs(8, 4), 4, column="body"), [], \
+            "no column 'text' (data.text_field)"
+    elif case == "corrupt parquet":
+        path, sets, needle = src / "d.parquet", [], "not a readable Parquet file"
+        path.write_bytes(b"PAR1" + bytes(200))
+    elif case == "latin-1 jsonl":
+        path, sets, needle = src / "d.jsonl", [], ":2: not UTF-8 text"
+        path.write_bytes(b'{"text": "a"}\n' + '{"text": "\xe9"}\n'.encode("latin-1"))
+    elif case == "binary folder":
+        path, sets, needle = src, [], f"data.train: {src} holds no usable file"
+        _binary(src / "a.bin", 5)
+    else:
+        path, sets, needle = _binary(src / "train.bin", 6), [], "not UTF-8 text (NUL byte at offset 100)"
+    line = _cli(tmp_path, monkeypatch, capsys, [f"data.train=[{path}]", *sets])
+    assert line.startswith("dsjax.train: error: ") and needle in line, line
+    assert str(path) in line
