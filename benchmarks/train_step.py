@@ -16,6 +16,8 @@ are its own):
                   fused AdamW, eager or torch.compile; no gradient clipping
   hf_compile_clip hf_compile clipping the gradients' global norm to 1.0 in the compiled step
                   (HF Trainer's default max_grad_norm; dsjax clips at optim.grad_clip_norm 1.0)
+  torchtitan      torchtitan 0.3.0's own DeepSeek-V3 model at the same geometry, compiled per
+                  block, bf16 weights, fused AdamW, clipping at 1.0 (`torchtitan_step.py` says how)
 
 dsjax runs its step as `dsjax.train.loop` does (mesh over every device, fsdp preset, state created
 sharded, step jitted with donated state). Columns: step time, tokens/s, model TFLOP/s and MFU
@@ -65,6 +67,8 @@ class Peer(NamedTuple):
 HF_ROWS = {"hf": Peer(False, False, "HF transformers eager, bf16 weights"),
            "hf_compile": Peer(True, False, "HF transformers torch.compile, bf16 weights"),
            "hf_compile_clip": Peer(True, True, "HF torch.compile, bf16, clip 1.0 (Trainer)")}
+TORCHTITAN = Peer(True, True, "torchtitan 0.3.0 DeepSeek-V3, bf16, clip 1.0")  # torchtitan_step.py
+PEERS = {**HF_ROWS, "torchtitan": TORCHTITAN}
 PEAK_TFLOPS = 989.0  # H100/H200 dense bf16 (datasheet)
 
 
@@ -273,11 +277,17 @@ print(json.dumps({"step_ms": dt * 1e3, "tokens_per_s": B * T / dt, "devices": 1,
 
 
 def run_hf(args, peer: str) -> dict:
-    compile_, clip, label = HF_ROWS[peer]
+    """A peer row (HF transformers, or torchtitan through torchtitan_step.py) in its own process."""
+    compile_, clip, label = PEERS[peer]
+    here = os.path.dirname(os.path.abspath(__file__))
+    if peer == "torchtitan":
+        argv = [sys.executable, os.path.join(here, "torchtitan_step.py"), str(args.layers), str(args.batch),
+                str(args.seq), str(args.steps)]
+    else:
+        argv = [sys.executable, "-c", HF_SCRIPT, str(args.layers), str(args.batch), str(args.seq),
+                str(args.steps), "1" if compile_ else "0", here, "1" if clip else "0"]
     try:
-        r = subprocess.run([sys.executable, "-c", HF_SCRIPT, str(args.layers), str(args.batch), str(args.seq),
-                            str(args.steps), "1" if compile_ else "0", os.path.dirname(os.path.abspath(__file__)),
-                            "1" if clip else "0"], capture_output=True, text=True, timeout=1200)
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=1200)
     except subprocess.TimeoutExpired:
         return {"row": label, "error": "timed out"}
     if r.returncode != 0:
@@ -340,7 +350,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--dsjax", default="default,matched", help=f"comma list of {sorted(DSJAX_ROWS)}")
-    p.add_argument("--peers", default="hf,hf_compile", help=f"comma list of {sorted(HF_ROWS)}, or ''")
+    p.add_argument("--peers", default="hf,hf_compile", help=f"comma list of {sorted(PEERS)}, or ''")
     p.add_argument("--set", nargs="*", default=[], metavar="SECTION.KEY=VALUE",
                    help="dsjax config overrides applied to every dsjax row (the HF peers keep V2-Lite)")
     p.add_argument("--profile", default="", help="per dsjax row, one more process traces 3 steps (command "
@@ -369,8 +379,8 @@ def main() -> None:
         if name not in DSJAX_ROWS:
             p.error(f"--dsjax: unknown row {name!r} (have {sorted(DSJAX_ROWS)})")
     for name in peers:
-        if name not in HF_ROWS:
-            p.error(f"--peers: unknown peer {name!r} (have {sorted(HF_ROWS)})")
+        if name not in PEERS:
+            p.error(f"--peers: unknown peer {name!r} (have {sorted(PEERS)})")
     extra = tuple(args.paired)
     if extra and args.baseline:
         p.error("--paired and --baseline: one comparison per run")
@@ -394,7 +404,7 @@ def main() -> None:
             res["step_ms_no_command_buffers"] = prof.get("step_ms")
     results += [run_hf(args, r) for r in peers]
     def peer_row(name):  # the peer's result, None when it did not run or failed
-        return next((r for r in results if r["row"] == HF_ROWS[name].label and "error" not in r), None)
+        return next((r for r in results if r["row"] == PEERS[name].label and "error" not in r), None)
 
     ref = peer_row("hf_compile")
     print(f"\nV2-Lite geometry, {args.layers} layers, batch {args.batch} x {args.seq} per device"
@@ -413,10 +423,11 @@ def main() -> None:
     for r in results:
         if "error" not in r:
             print(f"  {r['row']}: {describe(r.get('gpu'), args.steps)}")
-    clip_ref = peer_row("hf_compile_clip")
-    for r in results:
-        if clip_ref and r["row"].startswith("dsjax") and "error" not in r:
-            print(f"  {r['row']}: {r['tokens_per_s'] / clip_ref['tokens_per_s']:.2f}x the clipping torch.compile peer")
+    for name, what in (("hf_compile_clip", "the clipping torch.compile peer"), ("torchtitan", "torchtitan")):
+        other = peer_row(name)
+        for r in results:
+            if other and r["row"].startswith("dsjax") and "error" not in r:
+                print(f"  {r['row']}: {r['tokens_per_s'] / other['tokens_per_s']:.2f}x {what}")
     for r in results:
         if r.get("memory"):
             print(f"  {r['row']}: {describe_memory(r['memory'])}")

@@ -35,3 +35,32 @@ def test_memory_line_names_each_point_and_marks_what_was_not_read():
     assert line == ("GB in use with the state 13.55; XLA's step footprint 20.39; allocator peak after the "
                     "state 13.55, after compiling 16.62, after the first step 20.41")
     assert TS.describe_memory({"step_gb": 0.01, "state_in_use_gb": None}).count("-") == 4
+
+
+def test_torchtitan_peer_runs_its_own_script_with_the_step_geometry(monkeypatch):
+    seen = []
+
+    def fake_run(argv, **_):
+        seen.append(argv)
+        out = {"step_ms": 91.3, "tokens_per_s": 89_700.0, "devices": 1, "loss": 11.6, "peak_gb": 25.0, "gpu": None}
+        return types.SimpleNamespace(returncode=0, stdout="log line\n" + json.dumps(out) + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = types.SimpleNamespace(layers=4, batch=4, seq=2048, steps=10)
+    row = TS.run_hf(args, "torchtitan")
+    assert row["row"] == TS.PEERS["torchtitan"].label and row["step_ms"] == 91.3
+    (argv,) = seen
+    assert argv[1].endswith(os.path.join("benchmarks", "torchtitan_step.py"))
+    assert argv[2:] == ["4", "4", "2048", "10"]
+    src = open(argv[1]).read()
+    assert "clip_grad_norm_(model.parameters(), 1.0" in src and "fused=True" in src
+    assert 'deepseekv3_configs["16B"]' in src and "block.compile(fullgraph=True)" in src
+
+
+def test_a_failed_torchtitan_peer_is_a_row_with_its_error(monkeypatch):
+    def fake_run(argv, **_):
+        return types.SimpleNamespace(returncode=1, stdout="", stderr="Traceback\nModuleNotFoundError: No module named 'torchtitan'\n")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    row = TS.run_hf(types.SimpleNamespace(layers=4, batch=4, seq=2048, steps=10), "torchtitan")
+    assert row == {"row": TS.PEERS["torchtitan"].label, "error": "ModuleNotFoundError: No module named 'torchtitan'"}
