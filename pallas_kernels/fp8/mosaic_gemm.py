@@ -39,6 +39,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
+from pallas_kernels.moe.mosaic_gpu import _store_rows, row_tile_table
 
 BLOCK = 128                   # scale block along K (both operands) and along N (weights)
 WG_ROWS = 64                  # rows per compute warpgroup: one wgmma M tile
@@ -78,25 +79,31 @@ def _transforms(minor_bytes, dtype):
     return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
 
 
-def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG):
-    """Raise ValueError unless the operands fit `fp8_gemm_blockwise` (docstring there)."""
-    if a_q.ndim != 2 or b_q.ndim != 2 or a_s.ndim != 2 or b_s.ndim != 2:
-        raise ValueError(f"fp8 GEMM needs 2-d operands, got a_q {a_q.shape}, a_s {a_s.shape}, "
-                         f"b_q {b_q.shape}, b_s {b_s.shape}")
+def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG, group_sizes=None):
+    """Raise ValueError unless the operands fit `fp8_gemm_blockwise` (group_sizes None) or
+    `fp8_gmm_blockwise` (docstrings there)."""
+    grouped = group_sizes is not None
+    wb = 3 if grouped else 2  # rank of b_q and b_s
+    if a_q.ndim != 2 or a_s.ndim != 2 or b_q.ndim != wb or b_s.ndim != wb:
+        raise ValueError(f"fp8 GEMM needs a_q, a_s 2-d and b_q, b_s {wb}-d, got a_q {a_q.shape}, "
+                         f"a_s {a_s.shape}, b_q {b_q.shape}, b_s {b_s.shape}")
     if a_q.dtype != FP8 or b_q.dtype != FP8:
         raise ValueError(f"fp8 GEMM needs float8_e4m3fn a_q and b_q, got {a_q.dtype}, {b_q.dtype}")
     if a_s.dtype != jnp.float32 or b_s.dtype != jnp.float32:
         raise ValueError(f"fp8 GEMM needs float32 scales, got {a_s.dtype}, {b_s.dtype}")
     m, k = a_q.shape
-    n, k2 = b_q.shape
+    n, k2 = b_q.shape[-2:]
     if k != k2:
-        raise ValueError(f"contraction mismatch: a_q {a_q.shape}, b_q {b_q.shape} (want [N, K])")
+        raise ValueError(f"contraction mismatch: a_q {a_q.shape}, b_q {b_q.shape} (want [..., N, K])")
     if k % BLOCK or n % BLOCK:
         raise ValueError(f"fp8 GEMM needs K and N multiples of {BLOCK} (pad the weight and the "
                          f"activations' K with zeros before quantising), got K={k}, N={n}")
-    if a_s.shape != (m, k // BLOCK) or b_s.shape != (n // BLOCK, k // BLOCK):
+    lead = b_q.shape[:1] if grouped else ()
+    if a_s.shape != (m, k // BLOCK) or b_s.shape != (*lead, n // BLOCK, k // BLOCK):
         raise ValueError(f"scale shapes a_s {a_s.shape}, b_s {b_s.shape}: want "
-                         f"[{m}, {k // BLOCK}] and [{n // BLOCK}, {k // BLOCK}]")
+                         f"[{m}, {k // BLOCK}] and {[*lead, n // BLOCK, k // BLOCK]}")
+    if grouped and group_sizes.shape != lead:
+        raise ValueError(f"group_sizes shape {group_sizes.shape} != ({b_q.shape[0]},)")
     if config.tile_n not in (128, 256):
         raise ValueError(f"tile_n={config.tile_n}: expected 128 or 256")
     if n % config.tile_n:
@@ -133,25 +140,65 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
       scales and added to an fp32 sum (one promotion per K block).
     Raises:
       ValueError: wrong dtypes or ranks, K or N not a multiple of 128 (refused: pad the weight
-        and the activations' K with zeros before quantising; a zero block has scale 0 or any
-        scale and adds nothing), N not a multiple of config.tile_n, scale shapes that do not
-        match, or a bad config. M of any size is padded with zero rows to a multiple of 128
-        inside (a copy of a_q; M a multiple of 128 avoids it).
+        and the activations' K with zeros before quantising; a zero block adds nothing
+        whatever its scale), N not a multiple of config.tile_n, scale shapes that do not match,
+        or a bad config. M of any size is padded with zero rows to a multiple of 128 inside
+        (a copy of a_q; M a multiple of 128 avoids it).
     """
     config = config or DEFAULT_CONFIG
     check_operands(a_q, a_s, b_q, b_s, config)
-    out_dtype = jnp.dtype(out_dtype)
-    m, k = a_q.shape
-    n = b_q.shape[0]
+    m = a_q.shape[0]
     mp = -(-m // TILE_M) * TILE_M
     if mp != m:
         a_q = jnp.pad(a_q, ((0, mp - m), (0, 0)))
         a_s = jnp.pad(a_s, ((0, mp - m), (0, 0)))
-    a_st = a_s.T  # [KB, Mp]: a warpgroup's row scales of one step are contiguous
+    out = _call(a_q, a_s.T, b_q[None], b_s[None], None, jnp.dtype(out_dtype), config)
+    return out[:m] if mp != m else out
+
+
+@lower_once
+def fp8_gmm_blockwise(a_q, a_s, b_q, b_s, group_sizes, *, out_dtype=jnp.bfloat16, config=None):
+    """Grouped (MoE) form of `fp8_gemm_blockwise`: out[i] = (a_q[i] * a_s[i]) @ (b_q[g(i)] *
+    b_s[g(i)])^T, where rows are sorted by group and g(i) is the group of row i.
+
+    Args:
+      a_q: [M, K] float8_e4m3fn, rows sorted by group (`pallas_kernels.moe.permute`).
+      a_s: [M, K/128] float32 per-(row, 128 of K) scales.
+      b_q: [E, N, K] float8_e4m3fn, each expert's weight [out, in].
+      b_s: [E, N/128, K/128] float32, each expert's own 128 x 128 block scales.
+      group_sizes: [E] int, rows per group, sum <= M.
+      out_dtype, config: as `fp8_gemm_blockwise`.
+    Returns:
+      [M, N] out_dtype; rows past sum(group_sizes) are 0. Row tiles are 128 rows starting at
+      each group's 8-aligned first row (`pallas_kernels.moe.mosaic_gpu.row_tile_table`);
+      only the group's rows are stored.
+    Raises:
+      ValueError: as `fp8_gemm_blockwise`, or group_sizes not of shape [E]. M is padded with
+        zero rows to a multiple of 8 and at least 128 inside.
+    """
+    config = config or DEFAULT_CONFIG
+    check_operands(a_q, a_s, b_q, b_s, config, group_sizes)
+    m = a_q.shape[0]
+    mp = max(-(-m // 8) * 8, TILE_M)
+    if mp != m:
+        a_q = jnp.pad(a_q, ((0, mp - m), (0, 0)))
+        a_s = jnp.pad(a_s, ((0, mp - m), (0, 0)))
+    table = row_tile_table(group_sizes, mp, TILE_M)
+    out = _call(a_q, a_s.T, b_q, b_s, table, jnp.dtype(out_dtype), config)
+    return out[:m] if mp != m else out
+
+
+def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
+    """The kernel on a_q [Mp, K], a_st [KB, Mp], b_q [G, N, K], b_s [G, N/128, KB]; table None
+    (dense: G = 1, Mp a multiple of 128) or the grouped row-tile table [4, T]."""
+    mp, k = a_q.shape
+    e, n = b_q.shape[:2]
+    grouped = table is not None
     tn = config.tile_n
     n_sub = tn // BLOCK
     k_steps = k // BLOCK
-    m_iters, n_iters = mp // TILE_M, n // tn
+    n_iters = n // tn
+    m_iters = table.shape[1] if grouped else mp // TILE_M
     stages = _stages(tn, out_dtype, config.max_concurrent_steps)
     in_tr = _transforms(BLOCK, FP8)
     out_tr = _transforms(_EPI * out_dtype.itemsize, out_dtype)
@@ -173,14 +220,22 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
             compute_context=context,
         )
 
-    def kernel(a_ref, ast_ref, b_ref, bs_ref, o_ref):
+    def kernel(*refs):
+        table_ref, (a_ref, ast_ref, b_ref, bs_ref, o_ref) = (
+            (refs[0], refs[1:]) if grouped else (None, refs))
         ignore = lambda *_, **__: None
+        # each warpgroup's two output slots, seen swizzled (the wgmma register layout stores
+        # into it without bank conflicts; whole sub-tiles are TMA-stored from it) and, grouped,
+        # row-major (a row range of a partial sub-tile is stored from it)
+        slot = (plgpu.RefUnion(plgpu.SMEM((_EPI, _EPI), out_dtype, transforms=out_tr),
+                               plgpu.SMEM((_EPI, _EPI), out_dtype)) if grouped
+                else plgpu.SMEM((_EPI, _EPI), out_dtype, transforms=out_tr))
 
         @functools.partial(
             pl.run_scoped,
             allocs=make_pipeline(ignore, ignore).get_allocations(
-                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[pl.ds(0, tn), :]),
-            out_smem=plgpu.SMEM((2, 2, _EPI, _EPI), out_dtype, transforms=out_tr),
+                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[0, pl.ds(0, tn), :]),
+            out_smem=tuple(tuple(slot for _ in range(2)) for _ in range(2)),
             collective_axes="wg",
         )
         def _scope(allocs, out_smem):
@@ -189,9 +244,20 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
             @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
             def _item(info):
                 (lin,) = info.index
-                mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor,
-                                           config.grid_tile_width)
-                row0 = mi * TILE_M
+                if grouped:
+                    t, ni = lin // n_iters, lin % n_iters
+                    g = table_ref[0, t]
+                    row0 = pl.multiple_of(table_ref[1, t], 8)
+                    lo, hi = table_ref[2, t], table_ref[3, t]
+                    real = g < e  # group e: rows past sum(group_sizes), stored as zeros
+                    gw = jnp.minimum(g, e - 1)
+                    wlo = jnp.clip(lo - wg * WG_ROWS, 0, WG_ROWS)
+                    whi = jnp.clip(hi - wg * WG_ROWS, 0, WG_ROWS)
+                else:
+                    mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor,
+                                               config.grid_tile_width)
+                    row0, gw, real = mi * TILE_M, 0, None
+                    lo = hi = wlo = whi = None
                 r0 = row0 + wg * WG_ROWS  # this warpgroup's first row
                 a_rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
 
@@ -199,12 +265,12 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
                     """[64] ROW scales of this warpgroup's rows and the n_sub weight scales."""
                     sa = plgpu.load(ast_ref.at[kb, pl.ds(r0, WG_ROWS)], (), layout=ROW,
                                     optimized=False)
-                    return sa, [bs_ref[ni * n_sub + s, kb] for s in range(n_sub)]
+                    return sa, [bs_ref[gw, ni * n_sub + s, kb] for s in range(n_sub)]
 
                 def product(a_smem, b_smem, s, during=None):
                     """The step's fp32 partial product of 128-column block s (fresh
-                    accumulator); `during()` runs after the wgmma is issued, before it is
-                    waited for."""
+                    accumulator) and the value of `during()`, which runs after the wgmma is
+                    issued, before it is waited for."""
                     def mma(acc_ref):
                         plgpu.wgmma(acc_ref, a_smem.at[a_rows],
                                     b_smem.at[pl.ds(s * BLOCK, BLOCK)].T)
@@ -212,23 +278,21 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
                         return acc_ref[...], extra
                     return pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
 
-                def fold(total, part, sa, sb):
-                    return total + part * lax.broadcast_in_dim(sa * sb, part.shape, [0])
+                def fold(total, part, scale_row):
+                    return total + part * lax.broadcast_in_dim(scale_row, part.shape, [0])
 
                 def body(idx, a_smem, b_smem, carry):
                     (kb,) = idx
                     sa, sbs = scales(kb)
                     if overlap:  # carry: (sum, previous partial, its row scales)
                         total, prev, prev_scale = carry
-                        part, total = product(
-                            a_smem, b_smem, 0,
-                            during=lambda: total + prev * lax.broadcast_in_dim(
-                                prev_scale, prev.shape, [0]))
+                        part, total = product(a_smem, b_smem, 0,
+                                              during=lambda: fold(total, prev, prev_scale))
                         return total, part, sa * sbs[0]
                     totals = list(carry)
                     for s in range(n_sub):
                         part, _ = product(a_smem, b_smem, s)
-                        totals[s] = fold(totals[s], part, sa, sbs[s])
+                        totals[s] = fold(totals[s], part, sa * sbs[s])
                     return tuple(totals)
 
                 def context(run):
@@ -236,31 +300,52 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
                     if overlap:
                         zrow = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), ROW)
                         total, prev, prev_scale = run((zero, zero, zrow))
-                        totals = [total + prev * lax.broadcast_in_dim(prev_scale, prev.shape,
-                                                                       [0])]
+                        totals = [fold(total, prev, prev_scale)]
                     else:
                         totals = list(run(tuple(zero for _ in range(n_sub))))
-                    _store(totals, out_smem, o_ref, wg, r0, ni * tn)
+                    if grouped:
+                        totals = [jnp.where(real, x, zero) for x in totals]
+                    _store(totals, out_smem, o_ref, wg, r0, ni * tn, wlo, whi)
 
-                make_pipeline(body, context)(
-                    a_ref.at[pl.ds(row0, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :],
-                    allocations=allocs)
+                def pipeline():
+                    make_pipeline(body, context)(
+                        a_ref.at[pl.ds(row0, TILE_M), :], b_ref.at[gw, pl.ds(ni * tn, tn), :],
+                        allocations=allocs)
+                if grouped:
+                    pl.when(hi > lo)(pipeline)
+                else:
+                    pipeline()
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def _store(totals, out_smem, o_ref, wg, r0, c0):
+    def _store(totals, out_smem, o_ref, wg, r0, c0, wlo, whi):
         """The warpgroup's [64, tn] fp32 sums to o_ref[r0:, c0:] in 64 x 64 sub-tiles through
-        two staging slots, so that writing one slot overlaps the TMA store from the other."""
+        two staging slots, so that writing one slot overlaps the TMA store from the other.
+        Grouped: only its rows [wlo, whi) (a partial sub-tile by `_store_rows`)."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
         i = 0
         for s, total in enumerate(totals):
             for j in range(BLOCK // _EPI):
-                slot = i % 2
+                sub = total[:, j * _EPI:(j + 1) * _EPI].astype(out_dtype)
+                dst = o_ref.at[pl.ds(r0, WG_ROWS), pl.ds(c0 + s * BLOCK + j * _EPI, _EPI)]
                 plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                out_smem[wg, slot] = total[:, j * _EPI:(j + 1) * _EPI].astype(out_dtype)
-                plgpu.commit_smem()
-                plgpu.copy_smem_to_gmem(
-                    out_smem.at[wg, slot],
-                    o_ref.at[pl.ds(r0, WG_ROWS), pl.ds(c0 + s * BLOCK + j * _EPI, _EPI)])
+                for w in range(2):  # static slot refs: one branch per warpgroup
+                    staged = out_smem[w][i % 2]
+                    swizzled, row_major = staged if grouped else (staged, None)
+                    full = (wg == w) if not grouped else (wg == w) & (wlo == 0) & (whi == WG_ROWS)
+
+                    @pl.when(full)
+                    def _(swizzled=swizzled, sub=sub, dst=dst):
+                        swizzled[...] = sub
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(swizzled, dst)
+
+                    if grouped:
+                        @pl.when((wg == w) & jnp.logical_not(full) & (whi > wlo))
+                        def _(row_major=row_major, sub=sub, dst=dst):
+                            row_major[...] = sub
+                            plgpu.commit_smem()
+                            _store_rows(row_major, dst, wlo, whi, WG_ROWS)
                 i += 1
 
     call = plgpu.kernel(
@@ -272,5 +357,5 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
         thread_name="wg",
         interpret=default_interpret(),
     )
-    out = call(a_q, a_st, b_q, b_s)
-    return out[:m] if mp != m else out
+    operands = (a_q, a_st, b_q, b_s)
+    return call(*((table,) + operands if grouped else operands))
