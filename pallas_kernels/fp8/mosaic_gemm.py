@@ -263,7 +263,7 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
 
                 def scales(kb):
                     """[64] ROW scales of this warpgroup's rows and the n_sub weight scales."""
-                    sa = plgpu.load(ast_ref.at[kb, pl.ds(r0, WG_ROWS)], (), layout=ROW,
+                    sa = plgpu.load(ast_ref.at[kb, pl.ds(r0, WG_ROWS)], layout=ROW,
                                     optimized=False)
                     return sa, [bs_ref[gw, ni * n_sub + s, kb] for s in range(n_sub)]
 
