@@ -169,7 +169,8 @@ def fp8_gmm_blockwise(a_q, a_s, b_q, b_s, group_sizes, *, out_dtype=jnp.bfloat16
       group_sizes: [E] int, rows per group, sum <= M.
       out_dtype, config: as `fp8_gemm_blockwise`.
     Returns:
-      [M, N] out_dtype; rows past sum(group_sizes) are 0. Row tiles are 128 rows starting at
+      [M, N] out_dtype; rows past sum(group_sizes) are 0 (their products are scaled by 0, so
+      a_q must hold finite values there, as a quantiser's output does). Row tiles are 128 rows starting at
       each group's 8-aligned first row (`pallas_kernels.moe.mosaic_gpu.row_tile_table`);
       only the group's rows are stored.
     Raises:
@@ -265,7 +266,10 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
                     """[64] ROW scales of this warpgroup's rows and the n_sub weight scales."""
                     sa = plgpu.load(ast_ref.at[kb, pl.ds(r0, WG_ROWS)], layout=ROW,
                                     optimized=False)
-                    return sa, [bs_ref[gw, ni * n_sub + s, kb] for s in range(n_sub)]
+                    sbs = [bs_ref[gw, ni * n_sub + s, kb] for s in range(n_sub)]
+                    if grouped:  # rows past sum(group_sizes): every product scaled by 0
+                        sbs = [sb * real.astype(jnp.float32) for sb in sbs]
+                    return sa, sbs
 
                 def product(a_smem, b_smem, s, during=None):
                     """The step's fp32 partial product of 128-column block s (fresh
@@ -303,8 +307,6 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
                         totals = [fold(total, prev, prev_scale)]
                     else:
                         totals = list(run(tuple(zero for _ in range(n_sub))))
-                    if grouped:
-                        totals = [jnp.where(real, x, zero) for x in totals]
                     _store(totals, out_smem, o_ref, wg, r0, ni * tn, wlo, whi)
 
                 def pipeline():
