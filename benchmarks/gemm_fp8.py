@@ -1,0 +1,331 @@
+"""FP8 GEMMs with DeepSeek-V3 block scales at V2-Lite's shapes: our Mosaic GPU kernel against
+bf16 cuBLAS and XLA's own per-tensor FP8 dot.
+
+    python3 benchmarks/gemm_fp8.py [--iters 20] [--reps 5] [--rows NAME,...] [--tokens 8192]
+    python3 benchmarks/gemm_fp8.py --tiny      # off a GPU: small shapes in GPU interpret mode
+    python3 benchmarks/gemm_fp8.py --dry-run   # off a GPU: every program compiled for an H200
+
+Rows (M = --tokens = B4 x T2048 = 8192 rows; the expert rows M x top-6 = 49152 routed rows in
+64 groups of Dirichlet(50) sizes): the dense MLP's gate (or up) 2048 -> 10944 and down
+10944 -> 2048, the attention projections q 2048 -> 3072, kv_a 2048 -> 576 and o 2048 -> 2048,
+and the experts' fused gate|up 2048 -> 2816 and down 1408 -> 2048. Columns:
+
+  bf16       dense rows: `jnp.dot` of bf16 (XLA's cuBLAS call); expert rows: the project's bf16
+             grouped GEMM (`pallas_kernels.moe.mosaic_gpu.gmm`)
+  xla f8     `lax.dot_general` of float8_e4m3fn operands (pre-quantised, per-tensor scalar
+             scales applied to the fp32 result), XLA's own FP8 route, which `xla_route` reads
+             off the compiled HLO: "lt-f8" (`__cublas$lt$matmul$f8`) or "fusion" (XLA's own
+             generated GEMM; what compiling for the H200 without a GPU gives in jax 0.11.2);
+             dense at the same M, N, K for the expert rows (no groups)
+  ours       `fp8_gemm_blockwise` / `fp8_gmm_blockwise` on pre-quantised operands (1 x 128
+             activation scales, 128 x 128 weight scales), Fp8Config default (tile_n 128, fold
+             overlapped with the next wgmma); "ours 256" the same with tile_n 256
+  +q         ours with the activations' 1 x 128 quantisation (a jnp fusion) in the timed call;
+             the weights are quantised once, outside
+  quant ms   the activation quantisation alone
+
+TFLOP/s count 2 M N K of the real shape; K and N not multiples of 128 (10944, 576) are padded
+with zeros for ours (the padded work counts as waste). Errors (relative L2): "ours" against the
+fp32 sum of the dequantised block products (the kernel's own error; `ideal` is that reference
+rounded to bf16 once, the least a bf16 output can have), "quant" ours against the fp32 product of
+the unquantised inputs (the error of 1 x 128 / 128 x 128 e4m3 quantisation), "f8 xla" the
+per-tensor FP8 dot against the same. Expert rows check the first 4 groups' rows.
+
+Times are the median of --reps timings of --iters back-to-back calls (`moe.seconds`). Peak:
+989 TFLOP/s bf16, 1,979 FP8 dense on an H100/H200 SXM.
+
+`--dry-run` needs no GPU, only the CUDA plugin (`pip install "jax[cuda13]==0.11.2"`): it
+compiles every row's programs for the compile-only H200 of benchmarks/h200_target_config.txtpb
+(our kernels lowered for sm_90a by Mosaic GPU) and prints whether XLA's FP8 dot reaches
+cuBLASLt (compiled without a GPU there is no autotuning, so the GPU run's route may differ),
+to catch errors before a GPU run.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+sys.path.insert(0, HERE)
+
+E4M3_MAX = 448.0
+BLOCK = 128
+# name: (rows factor (1 dense, top-6 routed rows for experts), N, K, groups)
+ROWS = {
+    "mlp_gate": (1, 10944, 2048, 0),
+    "mlp_down": (1, 2048, 10944, 0),
+    "q_proj": (1, 3072, 2048, 0),
+    "kv_a": (1, 576, 2048, 0),
+    "o_proj": (1, 2048, 2048, 0),
+    "expert_gate_up": (6, 2816, 2048, 64),
+    "expert_down": (6, 2048, 1408, 64),
+}
+TINY = {"dense": (1, 320, 200, 0), "grouped": (2, 256, 256, 3)}  # --tiny: M = 256 tokens
+
+
+def _pad_to(x, axis, mult):
+    import jax.numpy as jnp
+    pad = -x.shape[axis] % mult
+    if not pad:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[axis] = (0, pad)
+    return jnp.pad(x, widths)
+
+
+def quant_rows(x):
+    """[M, K] -> (e4m3 [M, Kp], f32 scales [M, Kp/128]), Kp = K padded to 128 with zeros: per row
+    and 128 columns, scale = max|x| / 448 (1 where the block is all zero)."""
+    import jax.numpy as jnp
+    x = _pad_to(x, 1, BLOCK).astype(jnp.float32)
+    m, k = x.shape
+    xb = x.reshape(m, k // BLOCK, BLOCK)
+    s = jnp.max(jnp.abs(xb), -1) / E4M3_MAX
+    s = jnp.where(s == 0, 1.0, s)
+    q = (xb / s[..., None]).astype(jnp.float8_e4m3fn)
+    return q.reshape(m, k), s
+
+
+def quant_blocks(w):
+    """[..., N, K] -> (e4m3 [..., Np, Kp], f32 scales [..., Np/128, Kp/128]), per 128 x 128
+    block, N and K padded with zeros to multiples of 128."""
+    import jax.numpy as jnp
+    w = _pad_to(_pad_to(w, -1, BLOCK), -2, BLOCK).astype(jnp.float32)
+    *lead, n, k = w.shape
+    wb = w.reshape(*lead, n // BLOCK, BLOCK, k // BLOCK, BLOCK)
+    s = jnp.max(jnp.abs(wb), (-3, -1)) / E4M3_MAX
+    s = jnp.where(s == 0, 1.0, s)
+    q = (wb / s[..., :, None, :, None]).astype(jnp.float8_e4m3fn)
+    return q.reshape(*lead, n, k), s
+
+
+def dequant(q, s):
+    """Inverse of quant_rows / quant_blocks in fp32 (scales repeated over their blocks)."""
+    import jax.numpy as jnp
+    rep = jnp.repeat(s, BLOCK, axis=-1)
+    if q.shape[-2] != s.shape[-2]:  # 128 x 128 blocks
+        rep = jnp.repeat(rep, BLOCK, axis=-2)
+    return q.astype(jnp.float32) * rep
+
+
+def xla_fp8(a_q, b_q, sa, sb):
+    """XLA's FP8 dot: e4m3 a [M, K] x e4m3 b [N, K]^T to fp32, times the per-tensor scales, to
+    bf16."""
+    import jax.numpy as jnp
+    from jax import lax
+    out = lax.dot_general(a_q, b_q, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return (out * (sa * sb)).astype(jnp.bfloat16)
+
+
+def quant_tensor(x):
+    import jax.numpy as jnp
+    s = jnp.max(jnp.abs(x)).astype(jnp.float32) / E4M3_MAX
+    return (x.astype(jnp.float32) / s).astype(jnp.float8_e4m3fn), s
+
+
+def group_sizes(key, m, e):
+    import jax
+    import jax.numpy as jnp
+    p = jax.random.dirichlet(key, jnp.full((e,), 50.0))
+    gs = jnp.floor(p * m).astype(jnp.int32)
+    return gs.at[0].add(m - gs.sum())
+
+
+def build(name, spec, tokens, key, shapes_only=False):
+    """Inputs and programs of one row: dict(m, n, k, e, inputs, progs [(label, jitted fn,
+    args)]). shapes_only: the args are jax.ShapeDtypeStructs (nothing computed; --dry-run)."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.fp8.mosaic_gemm import Fp8Config, fp8_gemm_blockwise, fp8_gmm_blockwise
+    from pallas_kernels.moe import mosaic_gpu
+
+    factor, n, k, e = spec
+    m = tokens * factor
+    wshape = (e, n, k) if e else (n, k)
+    run = jax.eval_shape if shapes_only else (lambda f, *x: jax.jit(f)(*x))
+    if shapes_only:
+        a = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+        w = jax.ShapeDtypeStruct(wshape, jnp.bfloat16)
+        gs = jax.ShapeDtypeStruct((e,), jnp.int32) if e else None
+    else:
+        ka, kb, kg = jax.random.split(key, 3)
+        a = jax.random.normal(ka, (m, k), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(kb, wshape, jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
+        gs = group_sizes(kg, m, e) if e else None
+    b_q, b_s = run(quant_blocks, w)  # weights: quantised once (padded N, K)
+    a_q, a_s = run(quant_rows, a)
+    w0 = run(lambda w: w[0], w) if e else w  # XLA's dense FP8 dot: expert 0's weight
+    ta_q, ta_s = run(quant_tensor, a)
+    tb_q, tb_s = run(quant_tensor, w0)
+    wide = Fp8Config(tile_n=256, overlap=False)
+    if e:
+        ours = jax.jit(lambda a_q, a_s, b_q, b_s, gs: fp8_gmm_blockwise(a_q, a_s, b_q, b_s, gs))
+        ours_w = jax.jit(lambda a_q, a_s, b_q, b_s, gs: fp8_gmm_blockwise(
+            a_q, a_s, b_q, b_s, gs, config=wide))
+        ours_q = jax.jit(lambda a, b_q, b_s, gs: fp8_gmm_blockwise(*quant_rows(a), b_q, b_s, gs))
+        bf16 = jax.jit(lambda a, wt, gs: mosaic_gpu.gmm(a, wt, gs))
+        bf16_w = run(lambda w: jnp.swapaxes(w, 1, 2), w)  # [E, K, N], transposed once
+        tail = (gs,)
+    else:
+        ours = jax.jit(fp8_gemm_blockwise)
+        ours_w = jax.jit(lambda *x: fp8_gemm_blockwise(*x, config=wide))
+        ours_q = jax.jit(lambda a, b_q, b_s: fp8_gemm_blockwise(*quant_rows(a), b_q, b_s))
+        bf16 = jax.jit(lambda a, w: jnp.dot(a, w.T))
+        bf16_w = w
+        tail = ()
+    ours_args = (a_q, a_s, b_q, b_s) + tail
+    progs = [("bf16", bf16, (a, bf16_w) + tail),
+             ("xla f8", jax.jit(xla_fp8), (ta_q, tb_q, ta_s, tb_s)),
+             ("ours", ours, ours_args)]
+    if b_q.shape[-2] % 256 == 0:
+        progs.append(("ours 256", ours_w, ours_args))
+    progs += [("ours +q", ours_q, (a, b_q, b_s) + tail), ("quant", jax.jit(quant_rows), (a,))]
+    return dict(m=m, n=n, k=k, e=e, a=a, w=w, w0=w0, gs=gs, a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s,
+                progs=progs)
+
+
+def errors(row, outs):
+    """Relative L2 errors of the row (docstring of the module), on the expert rows' first 4
+    groups."""
+    import jax.numpy as jnp
+    m, n, k = row["m"], row["n"], row["k"]
+    hp = "highest"
+    err = lambda x, ref: float(jnp.linalg.norm(x.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    kp = row["a_q"].shape[1]
+    ad = dequant(row["a_q"], row["a_s"])
+    if row["e"]:
+        gs = [int(g) for g in row["gs"]]
+        lo, refs_q, refs_x, hi = 0, [], [], 0
+        for g in range(min(4, len(gs))):
+            hi = lo + gs[g]
+            bd = dequant(row["b_q"][g], row["b_s"][g])[:n, :kp]
+            refs_q.append(jnp.dot(ad[lo:hi], bd.T, precision=hp))
+            refs_x.append(jnp.dot(row["a"][lo:hi].astype(jnp.float32),
+                                  row["w"][g].astype(jnp.float32).T, precision=hp))
+            lo = hi
+        ref_q, ref_x, rows = jnp.concatenate(refs_q), jnp.concatenate(refs_x), slice(0, hi)
+    else:
+        bd = dequant(row["b_q"], row["b_s"])[:n, :kp]
+        ref_q = jnp.dot(ad, bd.T, precision=hp)
+        ref_x = jnp.dot(row["a"].astype(jnp.float32), row["w"].astype(jnp.float32).T, precision=hp)
+        rows = slice(0, m)
+    ours = outs["ours"][rows, :n]
+    res = dict(ours=err(ours, ref_q), ideal=err(ref_q.astype(jnp.bfloat16), ref_q),
+               quant=err(ours, ref_x))
+    ref_x_dense = ref_x if not row["e"] else jnp.dot(  # XLA's dot: expert 0's weight, all rows
+        row["a"].astype(jnp.float32), row["w0"].astype(jnp.float32).T, precision=hp)
+    res["f8 xla"] = err(outs["xla f8"], ref_x_dense)
+    return res
+
+
+def xla_route(hlo_text):
+    """How XLA compiled the FP8 dot, from the compiled HLO: "lt-f8" (a `__cublas$lt$matmul$f8`
+    call), "cublas" (another cuBLAS call: the FP8 operands were converted), "fusion" (XLA's
+    own generated GEMM, a `gemm_fusion` with f8 operands), or "?"."""
+    if "__cublas$lt$matmul$f8" in hlo_text:
+        return "lt-f8"
+    if "__cublas$" in hlo_text:
+        return "cublas"
+    if "gemm_fusion" in hlo_text and "f8e4m3fn" in hlo_text:
+        return "fusion"
+    return "?"
+
+
+def dry_run(names, tokens):
+    """Compile every row's programs for the compile-only H200 (no GPU; needs the CUDA plugin)."""
+    os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
+    import jax
+    from jax.experimental import topologies
+    from jax.sharding import SingleDeviceSharding
+
+    from pallas_kernels._hopper import target_device
+
+    with open(os.path.join(HERE, "h200_target_config.txtpb")) as f:
+        topo = topologies.get_topology_desc(platform="cuda", topology="1x1x1", target_config=f.read())
+    dev = topo.devices[0]
+    sh = SingleDeviceSharding(dev)
+
+    def abstract(x):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+
+    with target_device(dev):
+        for name in names:
+            row = build(name, ROWS[name], tokens, None, shapes_only=True)
+            for label, fn, args in row["progs"]:
+                t0 = time.perf_counter()
+                text = fn.lower(*map(abstract, args)).compile().as_text()
+                extra = ""
+                if label == "xla f8":
+                    extra = f" XLA's route: {xla_route(text)}"
+                elif label.startswith("ours"):
+                    calls = text.count('custom_call_target="mosaic_gpu')
+                    extra = f" Mosaic GPU calls: {calls}"
+                print(f"{name:<15} {label:<9} compiled for {dev.device_kind} in "
+                      f"{time.perf_counter() - t0:.1f} s{extra}", flush=True)
+    return 0
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--tokens", type=int, default=8192, help="rows of the dense GEMMs (B x T)")
+    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
+    p.add_argument("--tiny", action="store_true", help="small shapes in GPU interpret mode (no GPU)")
+    p.add_argument("--dry-run", action="store_true",
+                   help="compile every program for an H200 without running (no GPU; CUDA plugin)")
+    args = p.parse_args(argv)
+    names = [r for r in args.rows.split(",") if r]
+    bad = [r for r in names if r not in ROWS]
+    if bad:
+        print(f"--rows: unknown {bad}; known {list(ROWS)}", file=sys.stderr)
+        return 2
+    if args.dry_run or args.tiny:
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")
+        os.environ.setdefault("PJRT_NPROC", "8")  # interpret mode under jit (_hopper)
+    if args.dry_run:
+        return dry_run(names, args.tokens)
+    import jax
+
+    from moe import seconds  # benchmarks/moe.py: median of timed back-to-back calls
+
+    specs = dict(ROWS)
+    if args.tiny:
+        specs, names, args.tokens, args.iters, args.reps = TINY, list(TINY), 256, 1, 1
+    table = []
+    for i, name in enumerate(names):
+        row = build(name, specs[name], args.tokens, jax.random.key(i))
+        outs, ms, lt = {}, {}, None
+        for label, fn, fargs in row["progs"]:
+            outs[label] = fn(*fargs)
+            if label == "xla f8" and not args.tiny:
+                lt = xla_route(fn.lower(*fargs).compile().as_text())
+            ms[label] = seconds(fn, fargs, args.iters, args.reps) * 1e3
+        errs = errors(row, outs)
+        flops = 2 * row["m"] * row["n"] * row["k"]
+        tf = {lb: flops / t / 1e9 for lb, t in ms.items() if lb != "quant"}
+        table.append((name, row, tf, ms["quant"], lt, errs))
+        print(name, {k: round(v) for k, v in tf.items()}, f"quant {ms['quant']:.3f} ms", lt,
+              {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
+        del row, outs
+    dev = jax.devices()[0]
+    print(f"\n{dev.device_kind}, jax {jax.__version__}; median of {args.reps} x {args.iters} calls; "
+          f"TFLOP/s of 2 M N K (real shape)\n")
+    print("| row | M | N | K | E | bf16 | xla f8 (route) | ours | ours 256 | ours +q | quant ms "
+          "| err ours | ideal | err quant | err f8 xla |\n" + "|---" * 15 + "|")
+    for name, row, tf, qms, lt, errs in table:
+        lt_s = lt or "-"
+        print(f"| {name} | {row['m']} | {row['n']} | {row['k']} | {row['e'] or '-'} "
+              f"| {tf['bf16']:.0f} | {tf['xla f8']:.0f} ({lt_s}) | {tf['ours']:.0f} "
+              f"| {tf.get('ours 256', float('nan')):.0f} | {tf['ours +q']:.0f} | {qms:.3f} "
+              f"| {errs['ours']:.1e} | {errs['ideal']:.1e} | {errs['quant']:.1e} "
+              f"| {errs['f8 xla']:.1e} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
