@@ -85,11 +85,9 @@ def to_hf(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: 
     cfg, params, rest, step = restore_params(run_dir, step)
     tok = Path(run_dir) / "tokenizer.json"
     merged = merged_params(params, cfg.lora) if cfg.lora.rank > 0 else params
-    save_hf(out, cfg.model, merged, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
-            max_shard_bytes=max_shard_bytes)
     tok_cfg = Path(run_dir) / "tokenizer_config.json"  # a chat run's template and special tokens
-    if tok_cfg.is_file():
-        shutil.copyfile(tok_cfg, Path(out) / "tokenizer_config.json")
+    save_hf(out, cfg.model, merged, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
+            tokenizer_config=tok_cfg if tok_cfg.is_file() else None, max_shard_bytes=max_shard_bytes)
     if cfg.lora.rank > 0:
         save_adapters(Path(out) / "adapter", cfg.model, cfg.lora, params, rest, dtype=dtype)
         log.info("convert: adapters of %s step %d merged into %s and saved alone in %s/adapter",
