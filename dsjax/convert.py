@@ -9,9 +9,12 @@ sections (and dsjax numerics such as model.dtype) from --config/--set. The state
 state at step 0 (fresh optimizer moments), so `python -m dsjax.generate --checkpoint RUN_DIR`
 works; the data item is empty (no loader position yet). To *train* from HF weights prefer
 `--set train.init_from_hf=HF_DIR` on a new run.
-`--to-hf` writes config.json, sharded safetensors (+ index) and the run's tokenizer.json, loadable
-by `transformers.AutoModelForCausalLM.from_pretrained`. A LoRA run is written with its adapters
-merged into the weights, and its adapters alone in HF_DIR/adapter/ (PEFT format).
+`--to-hf` writes config.json, generation_config.json, sharded safetensors (+ index) and the run's
+tokenizer.json and tokenizer_config.json, loadable by `transformers.AutoModelForCausalLM.
+from_pretrained`; config.json and generation_config.json carry the tokenizer's EOS / pad / BOS ids
+as `dsjax.generate` picks them, so HF `generate` stops where dsjax's does. A LoRA run is written
+with its adapters merged into the weights, and its adapters alone in HF_DIR/adapter/ (PEFT format,
+`dsjax.hf.adapters`: `PeftModel.from_pretrained` on the base model gives the merged model).
 """
 from __future__ import annotations
 
