@@ -9,9 +9,12 @@ sections (and dsjax numerics such as model.dtype) from --config/--set. The state
 state at step 0 (fresh optimizer moments), so `python -m dsjax.generate --checkpoint RUN_DIR`
 works; the data item is empty (no loader position yet). To *train* from HF weights prefer
 `--set train.init_from_hf=HF_DIR` on a new run.
-`--to-hf` writes config.json, sharded safetensors (+ index) and the run's tokenizer.json, loadable
-by `transformers.AutoModelForCausalLM.from_pretrained`. A LoRA run is written with its adapters
-merged into the weights, and its adapters alone in HF_DIR/adapter/ (PEFT format).
+`--to-hf` writes config.json, generation_config.json, sharded safetensors (+ index) and the run's
+tokenizer.json and tokenizer_config.json, loadable by `transformers.AutoModelForCausalLM.
+from_pretrained`; config.json and generation_config.json carry the tokenizer's EOS / pad / BOS ids
+as `dsjax.generate` picks them, so HF `generate` stops where dsjax's does. A LoRA run is written
+with its adapters merged into the weights, and its adapters alone in HF_DIR/adapter/ (PEFT format,
+`dsjax.hf.adapters`: `PeftModel.from_pretrained` on the base model gives the merged model).
 """
 from __future__ import annotations
 
@@ -85,11 +88,9 @@ def to_hf(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: 
     cfg, params, rest, step = restore_params(run_dir, step)
     tok = Path(run_dir) / "tokenizer.json"
     merged = merged_params(params, cfg.lora) if cfg.lora.rank > 0 else params
-    save_hf(out, cfg.model, merged, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
-            max_shard_bytes=max_shard_bytes)
     tok_cfg = Path(run_dir) / "tokenizer_config.json"  # a chat run's template and special tokens
-    if tok_cfg.is_file():
-        shutil.copyfile(tok_cfg, Path(out) / "tokenizer_config.json")
+    save_hf(out, cfg.model, merged, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
+            tokenizer_config=tok_cfg if tok_cfg.is_file() else None, max_shard_bytes=max_shard_bytes)
     if cfg.lora.rank > 0:
         save_adapters(Path(out) / "adapter", cfg.model, cfg.lora, params, rest, dtype=dtype)
         log.info("convert: adapters of %s step %d merged into %s and saved alone in %s/adapter",

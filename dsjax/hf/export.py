@@ -2,7 +2,8 @@
 
 Writes config.json (`dsjax.hf.config.model_config_to_hf`), sharded safetensors (+ index) in the
 on-disk per-expert layout of `save_pretrained` (`dsjax.hf.mapping`), and the tokenizer when
-given. Linear weights, norms and embeddings in `dtype` (bfloat16 or float32); the router
+given, with its special-token ids (`special_token_ids`) in config.json and in
+generation_config.json, so transformers' `generate` stops where `dsjax.generate` stops. Linear weights, norms and embeddings in `dtype` (bfloat16 or float32); the router
 `mlp.gate.weight` and `e_score_correction_bias` always float32 (transformers keeps them in fp32,
 `_keep_in_fp32_modules_strict`). Streams one tensor at a time from the (device) arrays.
 """
@@ -15,7 +16,10 @@ from pathlib import Path
 import ml_dtypes
 import numpy as np
 
+from tokenizers import Tokenizer
+
 from dsjax.config import ModelConfig
+from dsjax.data import tokenizer as tk
 from dsjax.hf import mapping as M
 from dsjax.hf.config import model_config_to_hf
 from dsjax.hf.safetensors_io import write_sharded
@@ -24,18 +28,61 @@ NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.fl
 FP32_KEYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
 
 
+def special_token_ids(tokenizer: str | Path, tokenizer_config: str | Path | None = None
+                      ) -> dict[str, int | None]:
+    """{"bos_token_id", "eos_token_id", "pad_token_id"} of a `tokenizer.json`, chosen as
+    `dsjax.generate` chooses the token it stops at.
+
+    With `tokenizer_config` (a chat run's tokenizer_config.json, as `generate --chat` reads it):
+    its `eos_token`, its `pad_token` (EOS when absent) and its `bos_token` (None when absent).
+    Without: EOS and pad as `dsjax.data.tokenizer.wrap` finds them (`EOS_NAMES`, `PAD_NAMES`,
+    pad = EOS when none), and no BOS (dsjax adds none).
+    Raises ValueError naming the file when a named token is not in the tokenizer or no EOS is found.
+    """
+    tok = Tokenizer.from_file(str(tokenizer))
+    if tokenizer_config is None:
+        t = tk.wrap(tok, tokenizer)
+        return {"bos_token_id": None, "eos_token_id": t.eos_id, "pad_token_id": t.pad_id}
+    conf = json.loads(Path(tokenizer_config).read_text(encoding="utf-8"))
+    ids: dict[str, int | None] = {}
+    for key in ("bos_token", "eos_token", "pad_token"):
+        text = conf.get(key)  # a string, or an AddedToken dict
+        text = text.get("content") if isinstance(text, dict) else text
+        if not isinstance(text, str):
+            ids[key + "_id"] = None
+            continue
+        ids[key + "_id"] = tok.token_to_id(text)
+        if ids[key + "_id"] is None:
+            raise ValueError(f"{tokenizer_config}: {key} {text!r} is not a token of {tokenizer}")
+    if ids["eos_token_id"] is None:
+        raise ValueError(f"{tokenizer_config}: no eos_token")
+    if ids["pad_token_id"] is None:
+        ids["pad_token_id"] = ids["eos_token_id"]
+    return ids
+
+
 def save_hf(out_dir: str | Path, model_cfg: ModelConfig, params: dict, rest: dict, *,
             dtype: str = "bfloat16", tokenizer: str | Path | None = None,
-            max_shard_bytes: int = 5 * 2**30) -> Path:
+            tokenizer_config: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write an HF DeepSeek directory for (params, rest); returns its path.
 
     params/rest: pure dicts of jax or numpy arrays with the layout of `DeepSeekModel`.
-    tokenizer: a `tokenizer.json` to copy (with a minimal tokenizer_config.json).
-    Raises HFConfigError if transformers cannot express the configuration.
+    tokenizer: a `tokenizer.json` to copy; its special-token ids (`special_token_ids`) go into
+      config.json and generation_config.json. Without one, those ids are written as null (no
+      guess: transformers' defaults name tokens of DeepSeek's own vocabulary).
+    tokenizer_config: a chat run's tokenizer_config.json (chat template and special tokens) to
+      copy beside it; without it a minimal one naming the EOS and pad tokens is written.
+    Raises HFConfigError if transformers cannot express the configuration, ValueError when the
+    tokenizer has no EOS or the tokenizer config names a token the tokenizer lacks.
     """
     if dtype not in NP_DTYPES:
         raise ValueError(f"export: dtype must be one of {', '.join(NP_DTYPES)}, got {dtype!r}")
     hf_cfg = model_config_to_hf(model_cfg, dtype)
+    if tokenizer is not None and not Path(tokenizer).is_file():
+        tokenizer = None
+    ids = (special_token_ids(tokenizer, tokenizer_config) if tokenizer is not None else
+           {"bos_token_id": None, "eos_token_id": None, "pad_token_id": None})
+    hf_cfg.update(ids)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     trees = {"params": params, "rest": rest}
@@ -59,9 +106,16 @@ def save_hf(out_dir: str | Path, model_cfg: ModelConfig, params: dict, rest: dic
 
     write_sharded(out, specs, produce, max_shard_bytes)
     (out / "config.json").write_text(json.dumps(hf_cfg, indent=2) + "\n")
-    if tokenizer is not None and Path(tokenizer).is_file():
+    (out / "generation_config.json").write_text(json.dumps(ids, indent=2) + "\n")
+    if tokenizer is not None:
         shutil.copyfile(tokenizer, out / "tokenizer.json")
-        (out / "tokenizer_config.json").write_text(json.dumps(
-            {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length":
-             model_cfg.max_position_embeddings}, indent=2) + "\n")
+        if tokenizer_config is not None:
+            shutil.copyfile(tokenizer_config, out / "tokenizer_config.json")
+        else:
+            vocab = Tokenizer.from_file(str(tokenizer))
+            (out / "tokenizer_config.json").write_text(json.dumps(
+                {"tokenizer_class": "PreTrainedTokenizerFast",
+                 "model_max_length": model_cfg.max_position_embeddings,
+                 "eos_token": vocab.id_to_token(ids["eos_token_id"]),
+                 "pad_token": vocab.id_to_token(ids["pad_token_id"])}, indent=2) + "\n")
     return out

@@ -40,14 +40,40 @@ class CheckpointError(ValueError):
 
 
 def read_header(path: Path) -> tuple[dict, int]:
-    """(header dict without __metadata__, byte offset where the data starts)."""
+    """(header dict without __metadata__, byte offset where the data starts).
+
+    Raises CheckpointError naming the file when it is truncated or its header is corrupt: shorter
+    than the 8-byte header length, a header length past the end of the file, a header that is not
+    a JSON object of tensor entries, or a tensor whose bytes lie past the end of the file."""
+    size = os.path.getsize(path)
+    bad = f"{path}: truncated or corrupt safetensors file"
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) != 8:
-            raise CheckpointError(f"{path}: not a safetensors file (short header)")
+            raise CheckpointError(f"{bad}: {size} bytes, shorter than the 8-byte header length")
         (n,) = struct.unpack("<Q", raw)
-        header = json.loads(f.read(n))
+        if n > size - 8:
+            raise CheckpointError(f"{bad}: the header claims {n} bytes but only {size - 8} follow "
+                                  f"its 8-byte length")
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{bad}: its {n}-byte header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{bad}: its header is a JSON {type(header).__name__}, not an object")
     header.pop("__metadata__", None)
+    data = size - 8 - n
+    for k, info in header.items():
+        try:
+            b, e = (int(x) for x in info["data_offsets"])
+            info["dtype"], info["shape"]
+        except (TypeError, KeyError, ValueError):
+            raise CheckpointError(f"{bad}: header entry {k!r} lacks dtype, shape or a "
+                                  f"[begin, end] data_offsets pair") from None
+        if not 0 <= b <= e <= data:
+            raise CheckpointError(f"{bad}: tensor {k} claims bytes [{b}, {e}) of the data but the "
+                                  f"file holds {data} bytes after the header")
     return header, 8 + n
 
 
@@ -64,7 +90,10 @@ class SafetensorsCheckpoint:
         if p.is_file():
             files = [p]
         elif (p / INDEX).is_file():
-            index = json.loads((p / INDEX).read_text())
+            try:
+                index = json.loads((p / INDEX).read_text())
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                raise CheckpointError(f"{p / INDEX}: not valid JSON ({e})") from None
             files = sorted({p / f for f in index.get("weight_map", {}).values()})
         elif (p / SINGLE).is_file():
             files = [p / SINGLE]

@@ -462,3 +462,51 @@ def test_read_hf_config_from_a_directory_a_checkpoint_file_or_a_json_file(tmp_pa
     with pytest.raises(FileNotFoundError, match=f"hf: no config.json in {tmp_path / 'sub'}"):
         (tmp_path / "sub").mkdir()
         read_hf_config(tmp_path / "sub")
+
+
+def _corrupt_checkpoints(d: Path) -> dict[str, tuple[bytes, str]]:
+    """{name: (file bytes, expected message part)} of broken safetensors files made from a real
+    one (two random tensors)."""
+    from safetensors.numpy import save
+    rng = np.random.default_rng(4)
+    good = save({"a": rng.standard_normal((3, 5)).astype(np.float32),
+                 "b": rng.standard_normal((7,)).astype(np.float32)})
+    n = int.from_bytes(good[:8], "little")
+    return {
+        "eight_bytes": (good[:8], f"the header claims {n} bytes but only 0 follow"),
+        "four_bytes": (good[:4], "4 bytes, shorter than the 8-byte header length"),
+        "header_longer_than_file": ((len(good) + 100).to_bytes(8, "little") + good[8:],
+                                    f"the header claims {len(good) + 100} bytes but only {len(good) - 8} follow"),
+        "data_cut": (good[:-9], f"tensor b claims bytes [60, 88) of the data but the file holds 79 bytes"),
+        "header_not_json": (n.to_bytes(8, "little") + b"\xff" * n + good[8 + n:], "header is not valid JSON"),
+    }
+
+
+def test_truncated_or_corrupt_safetensors_is_one_error_naming_the_file(tmp_path):
+    for name, (raw, why) in _corrupt_checkpoints(tmp_path).items():
+        f = tmp_path / name / "model.safetensors"
+        f.parent.mkdir()
+        f.write_bytes(raw)
+        with pytest.raises(CheckpointError) as ex:
+            SafetensorsCheckpoint(f.parent)
+        msg = str(ex.value)
+        assert msg.startswith(f"{f}: truncated or corrupt safetensors file: ") and why in msg, (name, msg)
+        assert "\n" not in msg
+
+
+def test_convert_cli_truncated_safetensors_exit_2_nothing_written(tmp_path):
+    """`dsjax.convert --from-hf` on a directory whose model.safetensors was cut to its first 8
+    bytes: one line naming the file and the fault, exit status 2, no run directory."""
+    hf_dir = tmp_path / "hf"
+    hf_dir.mkdir()
+    (hf_dir / "config.json").write_text(json.dumps(CASE1))
+    raw, why = _corrupt_checkpoints(tmp_path)["eight_bytes"]
+    (hf_dir / "model.safetensors").write_bytes(raw)
+    r = subprocess.run([sys.executable, "-m", "dsjax.convert", "--from-hf", str(hf_dir), "--out",
+                        str(tmp_path / "run")], cwd=ROOT, capture_output=True, text=True,
+                       env={"JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"})
+    assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+    assert r.stderr.startswith(f"dsjax.convert: error: {hf_dir / 'model.safetensors'}: truncated or "
+                               f"corrupt safetensors file: {why}"), r.stderr
+    assert not (tmp_path / "run").exists()
+

@@ -407,9 +407,8 @@ def test_moe_recompute_gives_the_same_gradients():
 
 
 # modules_to_save: lm_head, and the MoE layer's o_proj, which also has an adapter, beside adapters
-# on the attention projections. The MLPs have none here: PEFT 0.21 on transformers 5 DeepSeek
-# models re-targets every gate_proj / up_proj / down_proj name to the fused routed-expert
-# parameters (`_convert_peft_config_moe`), so it would drop the dense and shared-expert adapters.
+# on the attention projections (the MLP and routed-expert targets: test_hf_convert.py's export
+# of the demo's targets, and the partial-expert test below).
 SAVE = ["lora.rank=4", "lora.alpha=8", "lora.target_modules=[q_a_proj, q_b_proj, kv_a_proj_with_mqa, "
         "kv_b_proj, o_proj]", "lora.modules_to_save=[lm_head, moe_layers.self_attn.o_proj]"]
 SAVED_O = "model.layers.1.self_attn.o_proj"
@@ -477,3 +476,55 @@ def test_peft_loads_our_adapter_file_with_modules_to_save(tmp_path):
         theirs = model(t).logits.float().numpy()
     assert rel(plain, ours) > 1e-2  # the adapters and the saved modules matter
     assert rel(theirs, ours) < 1e-5
+
+
+def test_peft_loads_partial_expert_targets_and_logs_what_it_leaves_out(tmp_path, caplog):
+    """Routed experts adapted on gate_proj only (zero up_proj / down_proj adapters are written,
+    as PEFT 0.21 on transformers 5 maps the fused expert keys only for all three) and the dense
+    and shared-expert MLPs' down_proj (`target_parameters` weights): PEFT's model gives ours. Routed-expert
+    weights trained in full are left out of the adapter with a warning naming them."""
+    import json
+    import logging
+    import peft
+    import torch
+    from safetensors.numpy import load_file
+    from dsjax.hf import save_hf
+    from dsjax.hf.adapters import save_adapters
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hf_parity as P
+    cfg = cfg_of("lora.rank=4", "lora.alpha=8", "lora.dropout=0.1",
+                 "lora.target_modules=[experts.gate_proj, down_proj]")
+    fns, params, rest = finetune.init_model(cfg)
+    base0 = split_adapters(params)[0]
+    params = randomize_b(params)
+    save_hf(tmp_path / "base", cfg.model, base0, rest, dtype="float32")
+    with caplog.at_level(logging.INFO, logger="dsjax.hf"):
+        save_adapters(tmp_path / "adapter", cfg.model, cfg.lora, params, rest, dtype="float32")
+    assert "lora_dropout 0 (the run trained with lora.dropout=0.1" in caplog.text
+    ad = load_file(str(tmp_path / "adapter" / "adapter_model.safetensors"))
+    conf = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert conf["target_parameters"] == ["model.layers.0.mlp.down_proj.weight",
+                                         "model.layers.1.mlp.shared_experts.down_proj.weight"]
+    E = cfg.model.n_routed_experts
+    assert len(ad) == 2 * (3 * E + 2)
+    up = "base_model.model.model.layers.1.mlp.experts.2.up_proj.lora_B.weight"
+    assert not ad[up].any() and ad[up.replace("up_proj", "gate_proj")].any()
+    toks = np.random.default_rng(3).integers(2, cfg.model.vocab_size, (2, 16))
+    ours = np.asarray(logits_of(fns, params, rest, jnp.asarray(toks, jnp.int32)))
+    with torch.no_grad():
+        t = torch.as_tensor(toks, dtype=torch.long)
+        base = P.load_eager(tmp_path / "base")
+        plain = base(t).logits.float().numpy()
+        theirs = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter")).eval()(t).logits.float().numpy()
+    assert rel(plain, ours) > 1e-2 and rel(theirs, ours) < 1e-5
+
+    cfg = cfg_of("lora.rank=4", "lora.alpha=8", "lora.target_modules=[q_b_proj]",
+                 "lora.modules_to_save=[moe_layers.mlp.down_proj]")
+    _, params, rest = finetune.init_model(cfg)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="dsjax.hf"):
+        save_adapters(tmp_path / "left_out", cfg.model, cfg.lora, params, rest)
+    assert (f"{E} routed-expert weight(s) trained in full (lora.modules_to_save, e.g. "
+            "model.layers.1.mlp.experts.0.down_proj.weight) are not in") in caplog.text
+    ad = load_file(str(tmp_path / "left_out" / "adapter_model.safetensors"))
+    assert not any("experts" in k for k in ad) and len(ad) == 2 * 2
