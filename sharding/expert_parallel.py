@@ -67,13 +67,15 @@ def default_chunk_tokens(m: int, k: int, d: int, itemsize: int,
     return best
 
 
-def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, impl, dtype, lora=None):
+def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, impl, dtype, lora=None,
+                   fp8=False):
     """x [M, D]; ids/weights [M, K]; w_gate/w_up [El, D, F]; w_down [El, F, D] -> y [M, D] (fp32):
     the weighted sum of the local experts' outputs for each row (0 for rows routed elsewhere).
     lora: None or {"pairs": ((A, B) or None for gate, up, down: the local experts' factors),
     "scale", "rate", "key"}: each projection adds its per-expert adapter term over the same
     groups. With F split over `mlp_axes`, down's A is split over F too: its partial products
-    are linear in A's rows, so the existing psum over `mlp_axes` adds them."""
+    are linear in A's rows, so the existing psum over `mlp_axes` adds them. fp8: the base
+    GEMMs in FP8 (`grouped_lora_matmuls(fp8=True)`), quantised from the weights as given."""
     El = w_gate.shape[0]
     e0 = jax.lax.axis_index(axis) * El
     local = ids - e0
@@ -89,18 +91,19 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
             key = jax.random.fold_in(key, jax.lax.axis_index(axis))
             keys = [jax.random.fold_in(key, i) for i in range(3)]
     # one x A GEMM for the gate and up adapters; t B inside each base GEMM
-    g, u = grouped_lora_matmuls(xs, (w_gate.astype(dtype), w_up.astype(dtype)), pairs[:2], gs,
-                                scale=s, impl=impl, x_adapter=lora_dropout(xs, rate, keys[0]))
+    cast = (lambda w: w) if fp8 else (lambda w: w.astype(dtype))  # noqa: E731
+    g, u = grouped_lora_matmuls(xs, (cast(w_gate), cast(w_up)), pairs[:2], gs,
+                                scale=s, impl=impl, x_adapter=lora_dropout(xs, rate, keys[0]), fp8=fp8)
     w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
     h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
-    y, = grouped_lora_matmuls(h, (w_down.astype(dtype),), pairs[2:], gs, scale=s, impl=impl,
-                              x_adapter=lora_dropout(h, rate, keys[2]))
+    y, = grouped_lora_matmuls(h, (cast(w_down),), pairs[2:], gs, scale=s, impl=impl,
+                              x_adapter=lora_dropout(h, rate, keys[2]), fp8=fp8)
     return unpermute_sum(y, perm, ids.shape[1], impl=impl).astype(jnp.float32)
 
 
 def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_axes=(), seq_axes=(),
                         mlp_axes=(), impl="auto", dtype=jnp.float32, axis=EXPERT, chunk_tokens=None,
-                        lora=None, recompute=False):
+                        lora=None, recompute=False, fp8=False):
     """Routed-expert output with experts sharded over mesh axis `axis`.
 
     Args:
@@ -118,6 +121,8 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
         A and B enter with experts over `axis`; gate/up's B and down's A split F over mlp_axes.
       recompute: keep only RECOMPUTE_SAVES of a one-chunk step for the backward and recompute
         the rest there (several chunks recompute each chunk's whole forward anyway).
+      fp8: the experts' GEMMs in FP8 E4M3 (`pallas_kernels.fp8.fp8_grouped_gemm`); with F split
+        over mlp_axes each rank quantises its own slice of F.
     Returns:
       [B, T, D] fp32: sum_k weights[., k] * FFN_{ids[., k]}(x), laid out like x.
     Raises:
@@ -157,7 +162,7 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
             if lora is not None:  # the chunk's own dropout key (xs[3])
                 lo = {"pairs": pairs, "scale": lora["scale"], "rate": lora["rate"], "key": xs[3]}
             return _local_experts(*xs[:3], wg, wu, wd, axis=axis, mlp_axes=ma, impl=impl, dtype=dtype,
-                                  lora=lo)
+                                  lora=lo, fp8=fp8)
 
         n_chunks = m // c
         keys = None if lkey is None else jax.random.split(lkey, n_chunks)
@@ -186,7 +191,7 @@ def moe_expert_parallel(x, ids, weights, w_gate, w_up, w_down, *, mesh, batch_ax
 
 
 def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto", dtype=jnp.float32,
-                     chunk_tokens=None, lora=None, recompute=False):
+                     chunk_tokens=None, lora=None, recompute=False, fp8=False):
     """`moe_expert_parallel` with axes from an active `sharding.rules.ShardingContext`; batch and
     sequence axes that do not divide x's sizes are dropped (e.g. decoding one sequence)."""
     spec = tuple(ctx.spec(("batch", "seq", None), x.shape, strict=False)) + (None, None)
@@ -194,4 +199,4 @@ def moe_from_context(x, ids, weights, w_gate, w_up, w_down, *, ctx, impl="auto",
     return moe_expert_parallel(
         x, ids, weights, w_gate, w_up, w_down, mesh=ctx.mesh, batch_axes=axes(spec[0]),
         seq_axes=axes(spec[1]), mlp_axes=ctx.rules.mesh_axes("mlp", ctx.mesh), impl=impl,
-        dtype=dtype, chunk_tokens=chunk_tokens, lora=lora, recompute=recompute)
+        dtype=dtype, chunk_tokens=chunk_tokens, lora=lora, recompute=recompute, fp8=fp8)

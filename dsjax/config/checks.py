@@ -22,6 +22,7 @@ _CHOICES = {
     "model.weight_dtype": ("float32", "bfloat16"),
     "model.attention_impl": ("auto", "pallas", "reference"),
     "model.moe_impl": ("auto", "pallas", "reference"),
+    "model.fp8": ("none", "blockwise"),
     "model.remat": ("none", "full", "dots_saveable"),
     "mesh.preset": ("fsdp", "dp", "tp", "ep", "cp", "fsdp_tp_ep", "fsdp_ep_cp", "all"),
     "mesh.cp_layout": ("striped", "contiguous"),
@@ -214,6 +215,7 @@ def validate(cfg: Config) -> None:
         raise ConfigError("config: train.init_from and train.init_from_hf are exclusive: name one")
     _validate_lora(cfg)
     _validate_kernels(m)
+    _validate_fp8(cfg)
 
 
 def _validate_moment_decay(o) -> None:
@@ -256,6 +258,35 @@ def _validate_kernels(m) -> None:
             raise ConfigError(f"config: model.moe_impl=pallas does not fit model.dtype={m.dtype}, "
                               f"hidden_size={m.hidden_size}, moe_intermediate_size="
                               f"{m.moe_intermediate_size}: {reason}; use moe_impl=auto or reference")
+
+
+def _validate_fp8(cfg: Config) -> None:
+    """model.fp8=blockwise under tensor parallelism: each width split over `tensor` must split
+    into shards of whole 128-wide FP8 scale tiles, or a tile would straddle two ranks (the
+    activations' 1 x 128 tiles and the weights' 128 x 128 blocks run along these widths).
+    ZeRO-3 (`fsdp`) gathers a weight before its GEMM and data / context / expert parallelism
+    split tokens or experts, which the tiles do not cross within a rank's GEMM, so only
+    `tensor` is checked; mesh.tensor=-1 (size known only at run time) is not."""
+    m, t = cfg.model, cfg.mesh.tensor
+    if m.fp8 != "blockwise" or t <= 1:
+        return
+    H = m.num_attention_heads
+    widths = {"num_attention_heads * v_head_dim (o_proj input)": H * m.v_head_dim,
+              "num_attention_heads * (qk_nope_head_dim + v_head_dim) (kv_b_proj output)":
+                  H * (m.qk_nope_head_dim + m.v_head_dim),
+              "num_attention_heads * (qk_nope_head_dim + qk_rope_head_dim) (query output)":
+                  H * (m.qk_nope_head_dim + m.qk_rope_head_dim)}
+    if m.first_k_dense_replace > 0:
+        widths["intermediate_size"] = m.intermediate_size
+    if m.num_moe_layers > 0:
+        widths["moe_intermediate_size"] = m.moe_intermediate_size
+        if m.n_shared_experts:
+            widths["moe_intermediate_size * n_shared_experts"] = m.moe_intermediate_size * m.n_shared_experts
+    for name, w in widths.items():
+        if w % (128 * t):
+            raise ConfigError(f"config: model.fp8=blockwise with mesh.tensor={t}: model.{name} = {w} "
+                              f"does not split into shards of whole 128-wide FP8 scale tiles (needs a "
+                              f"multiple of 128 x {t} = {128 * t}); use mesh.tensor=1 or model.fp8=none")
 
 
 def _validate_lora(cfg: Config) -> None:

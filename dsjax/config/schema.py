@@ -72,6 +72,7 @@ class ModelConfig:
     weight_dtype: str = "float32"  # master weights
     attention_impl: str = "auto"  # auto | pallas | reference
     moe_impl: str = "auto"  # auto | pallas | reference
+    fp8: str = "none"  # none | blockwise: DeepSeek-V3's FP8 training (sec. 3.3) of the attention projections, dense and shared MLPs and routed experts (`pallas_kernels.fp8`); embedding, lm_head, router, norms and attention stay in the compute dtype
     remat: str = "none"  # none | full | dots_saveable
     moe_recompute: bool = False  # MoE blocks keep only the experts' gate/up GEMM outputs (and routed adapters' x A) for the backward and recompute the token permutation, SwiGLU and dense adapters (less activation memory)
     round_logits: bool = False  # True: the lm_head writes its logits in the compute dtype and the loss upcasts them to fp32, as HF transformers' bf16/fp16 models do (half the loss's logit bytes); False: fp32 logits

@@ -21,6 +21,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.rope import apply_rope
 from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.moe import swiglu
 from sharding import rules as shr
 from sharding.ring_attention import context_attention, local_attention
@@ -33,19 +34,28 @@ def dtype_of(name: str):
 
 
 class Linear(nnx.Module):
-    """y = x @ kernel (+ bias); kernel [in, out] in weight dtype, cast to the compute dtype."""
+    """y = x @ kernel (+ bias); kernel [in, out] in weight dtype, cast to the compute dtype.
+
+    Under `model.fp8=blockwise` the product (forward, dgrad and wgrad) is
+    `pallas_kernels.fp8.fp8_linear` of the kernel itself (E4M3, 1 x 128 / 128 x 128 scales), the
+    output in the compute dtype; fp8=False keeps a layer out of it (the lm_head). The bias and
+    a LoRA adapter stay in the compute dtype."""
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, *, rngs: nnx.Rngs,
-                 bias: bool = False):
+                 bias: bool = False, fp8: bool = True):
         init = nnx.initializers.normal(cfg.initializer_range)
         wdt = dtype_of(cfg.weight_dtype)
         self.kernel = nnx.Param(init(rngs.params(), (d_in, d_out), wdt), out_sharding=axes)
         self.bias = nnx.Param(jnp.zeros((d_out,), wdt), out_sharding=axes[1:]) if bias else None
         self.dtype = dtype_of(cfg.dtype)
         self.lora = None  # a `dsjax.model.lora.LoraAdapter` when fine-tuned with LoRA
+        self.fp8 = fp8 and cfg.fp8 == "blockwise"
 
     def __call__(self, x):
-        y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
+        if self.fp8:
+            y = fp8_linear(x.astype(self.dtype), self.kernel[...])
+        else:
+            y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if self.lora is not None:

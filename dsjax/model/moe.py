@@ -196,16 +196,18 @@ class MoE(nnx.Module):
             pairs, s = self.experts.pairs(dt)
             rate = self.experts.rate()
 
-        ws = tuple(getattr(self, p)[...].astype(dt) for p in EXPERT_PROJS)
-        in_stacks = tuple(_in_stack(p, dt) for p in EXPERT_PROJS)
+        fp8 = c.fp8 == "blockwise"  # quantised from the weights themselves, not a cast copy
+        ws = tuple(getattr(self, p)[...] if fp8 else getattr(self, p)[...].astype(dt) for p in EXPERT_PROJS)
+        # the FP8 GEMMs read no stacks in place and write no gradient sinks
+        in_stacks = tuple(None if fp8 else _in_stack(p, dt) for p in EXPERT_PROJS)
         sinks = tuple(_dw_sink(p, c.n_routed_experts) if st is not None else None
                       for p, st in zip(EXPERT_PROJS, in_stacks))
         g, u = expert_matmuls(xs, ws[:2], pairs[:2], group_sizes, s, c.moe_impl, rate, in_stacks[:2],
-                              sinks[:2])
+                              sinks[:2], fp8=fp8)
         w_rows = sorted_weights(weights, perm)
         h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
         y, = expert_matmuls(h, ws[2:], pairs[2:], group_sizes, s, c.moe_impl, rate, in_stacks[2:],
-                            sinks[2:])
+                            sinks[2:], fp8=fp8)
         return unpermute_sum(y, perm, c.num_experts_per_tok, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):
@@ -233,7 +235,7 @@ class MoE(nnx.Module):
             out = moe_from_context(x, ids.reshape(B, T, K), weights.reshape(B, T, K), self.gate_proj[...],
                                    self.up_proj[...], self.down_proj[...], ctx=ctx,
                                    impl=c.moe_impl, dtype=dt, lora=lora,
-                                   recompute=c.moe_recompute).astype(dt)
+                                   recompute=c.moe_recompute, fp8=c.fp8 == "blockwise").astype(dt)
         else:
             out = with_recompute(self._routed, c.moe_recompute)(xt, ids, weights).reshape(B, T, D)
         if self.shared_experts is not None:

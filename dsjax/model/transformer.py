@@ -115,7 +115,7 @@ class DeepSeekModel(nnx.Module):
         self.moe_layers = _stack(cfg, cfg.num_moe_layers, True, rngs)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, cfg)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(
-            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, rngs=rngs)
+            cfg.hidden_size, cfg.vocab_size, ("embed", "vocab"), cfg, rngs=rngs, fp8=False)
         self.mtp = MTP(cfg, rngs=rngs) if cfg.num_nextn_predict_layers > 0 else None
         inv_freq, attn_factor = inv_freq_and_attention_factor(cfg)
         self.inv_freq = tuple(float(f) for f in inv_freq)  # static constants (float32-exact), not state

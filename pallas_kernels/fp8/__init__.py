@@ -1,1 +1,6 @@
-"""FP8 GEMMs with DeepSeek-V3 block scales (1 x 128 activations, 128 x 128 weights)."""
+"""FP8 E4M3 block-scaled GEMMs for training (DeepSeek-V3 sec. 3.3): quantisers and references
+(reference.py), the differentiable linear / grouped GEMMs (api.py), the Mosaic GPU kernels for
+Hopper (mosaic_gemm.py)."""
+from pallas_kernels.fp8.api import fp8_grouped_gemm, fp8_linear
+
+__all__ = ["fp8_linear", "fp8_grouped_gemm"]

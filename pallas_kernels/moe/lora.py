@@ -19,6 +19,7 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
+from pallas_kernels.fp8 import api as fp8_api
 from pallas_kernels.moe import api
 
 
@@ -116,7 +117,7 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_
 
 
 def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str = "auto",
-                         x_adapter=None, in_stacks=None, dw_sinks=None):
+                         x_adapter=None, in_stacks=None, dw_sinks=None, fp8: bool = False):
     """Grouped GEMMs of the same rows x, each with its LoRA adapter:
     y_i = x @ W_i[g] + scale * (x_a @ A_i[g]) @ B_i[g] (Hu et al. 2021, eq. 3, per expert).
 
@@ -132,32 +133,40 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
       x_adapter: the adapters' input (x with LoRA dropout), default x;
       in_stacks: None, or per W_i None or (stack, i) (`grouped_matmul(in_stack=...)`);
       dw_sinks: None, or per W_i None or (ref, row) (`grouped_matmul(dw_sink=...)`).
+      fp8: each x @ W_i is `pallas_kernels.fp8.fp8_grouped_gemm` (E4M3, block-scaled; the
+        adapters' GEMMs stay in x's dtype and run beside it, not inside it); in_stacks and
+        dw_sinks must then be None.
     Returns:
       tuple of [M, N_i] in x.dtype, fp32 accumulation. Differentiable in x, x_adapter and
       every W, A, B.
     Raises:
-      ValueError: as `grouped_matmul`.
+      ValueError: as `grouped_matmul`; fp8 with in_stacks or dw_sinks.
     """
     in_stacks = in_stacks or (None,) * len(ws)
     dw_sinks = dw_sinks or (None,) * len(ws)
+    if fp8 and any(p is not None for p in tuple(in_stacks) + tuple(dw_sinks)):
+        raise ValueError("grouped_lora_matmuls: fp8 reads no in_stacks and writes no dw_sinks")
     live = [i for i, p in enumerate(pairs) if p is not None]
     extras = [None] * len(ws)
-    fused = True
+    fused = not fp8
     if live:
         xa = x if x_adapter is None else x_adapter
         live_pairs = [pairs[i] for i in live]
         # t's width as lora_factors pads it; a wide one (rank > 64 on gate and up together) does
         # not fit the kernels' shared memory: t B then runs as its own GEMM
         rc = _widths(xa, live_pairs, impl)[2]
-        fused = all(api.extra_fits(x, ws[i], rc, impl=impl) for i in live)
+        fused = fused and all(api.extra_fits(x, ws[i], rc, impl=impl) for i in live)
         same = fused and xa is x
         t, placed, a = lora_factors(xa, live_pairs, group_sizes, scale=scale, impl=impl,
                                     dx_elsewhere=same)
         for i, b in zip(live, placed):
             extras[i] = (t, b, a) if same else (t, b)
-    ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None,
-                             dw_sink=sk)
-          for w, st, ex, sk in zip(ws, in_stacks, extras, dw_sinks)]
+    if fp8:
+        ys = [fp8_api.fp8_grouped_gemm(x, w, group_sizes) for w in ws]
+    else:
+        ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None,
+                                 dw_sink=sk)
+              for w, st, ex, sk in zip(ws, in_stacks, extras, dw_sinks)]
     if not fused:
         for i in live:
             t, b = extras[i]

@@ -1,0 +1,222 @@
+"""FP8 block-scaled linear layers for training (DeepSeek-V3 technical report sec. 3.3).
+
+Legend: M rows (tokens, leading dims flattened), K input width, N output width, E experts.
+
+`fp8_linear(x, w)` and `fp8_grouped_gemm(x, w, group_sizes)` compute x @ w with a custom VJP whose
+three GEMMs all take E4M3 operands with online fine-grained scales (reference.py):
+  forward  y  = x @ w      x in 1 x 128 tiles (per token, 128 of K), w in 128 x 128 blocks;
+  dgrad    dx = dy @ w^T   dy in 1 x 128 tiles (per token, 128 of N), the same w blocks read
+                           transposed (a 128 x 128 block is its own transpose's block);
+  wgrad    dw = x^T @ dy   x and dy in 128 x 1 tiles (per channel, 128 tokens), quantised from
+                           the unquantised x / dy, as the contraction now runs over tokens.
+Accumulation is fp32. The backward's residuals are the FP8 values and fp32 scales (x in 128 x 1
+tiles, w in blocks), not x itself: 1 byte per element plus 4 per 128. Outputs are in x's dtype
+(the compute dtype), dx in x's dtype, dw in w's dtype (the master weights' dtype, as the cast
+in the unquantised path gives). For the routed experts the 128-token tiles of the weight
+gradient never straddle two experts: each expert's rows are padded to a multiple of 128
+(`reference.pad_groups`), as DeepGEMM's grouped kernels require.
+
+Backends (`impl`):
+  "reference": XLA on any device: dequantise to fp32 and dot with fp32 accumulation at full
+               precision (equal to the kernels' per-128-K promotion up to fp32 rounding; the
+               weight gradient of the grouped GEMM is the promotion itself, one tile at a time).
+  "mosaic":    the forward and dgrad GEMMs of `fp8_linear` run
+               `pallas_kernels.fp8.mosaic_gemm.fp8_gemm_blockwise(a_q [M, K], a_s [M, K/128],
+               b_q [N, K], b_s [N/128, K/128], out_dtype)` (Hopper, wgmma), operands zero-padded
+               to multiples of 128; the wgrad GEMM (both operands scaled per row, DeepGEMM's
+               1D1D) and the grouped GEMMs stay on the reference until kernels for them exist.
+               ValueError when the kernel module is absent.
+  "auto":      "mosaic" on a Hopper GPU when that module is present, else "reference".
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels._hopper import on_hopper
+from pallas_kernels.fp8 import reference as ref
+from pallas_kernels.moe.reference import grouped_matmul_reference
+
+IMPLS = ("auto", "reference", "mosaic")
+
+
+def _mosaic_kernel():
+    """`mosaic_gemm.fp8_gemm_blockwise`, or None where the module (or the function) is absent."""
+    try:
+        from pallas_kernels.fp8 import mosaic_gemm
+    except ImportError:
+        return None
+    return getattr(mosaic_gemm, "fp8_gemm_blockwise", None)
+
+
+def resolve_impl(impl: str) -> str:
+    """"reference" or "mosaic" for impl in IMPLS.
+
+    Raises:
+      ValueError: unknown impl, or impl="mosaic" without `pallas_kernels/fp8/mosaic_gemm.py`.
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"fp8: impl={impl!r}: expected one of {', '.join(IMPLS)}")
+    if impl == "reference":
+        return impl
+    have = _mosaic_kernel() is not None
+    if impl == "mosaic" and not have:
+        raise ValueError("fp8: impl='mosaic' needs pallas_kernels/fp8/mosaic_gemm.py "
+                         "(fp8_gemm_blockwise), which is not installed; use impl='reference'")
+    return "mosaic" if impl == "mosaic" or (have and on_hopper()) else "reference"
+
+
+def _dot32(a, b):
+    return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
+
+
+def _gemm_nt(backend, a_q, a_s, b_q, b_s, out_dtype):
+    """a [M, K] (1 x 128 tiles) @ b [N, K] (128 x 128 blocks)^T -> [M, N] in out_dtype."""
+    if backend == "mosaic":
+        m, n = a_q.shape[0], b_q.shape[0]
+        pad2 = lambda t: ref._pad_to(ref._pad_to(t, 0), 1)  # noqa: E731
+        # padded scale entries are 1: their values are zeros, and a zero scale is never formed
+        one_pad = lambda s, rows, cols: jnp.pad(s, ((0, rows - s.shape[0]), (0, cols - s.shape[1])),  # noqa: E731
+                                                constant_values=1.0)
+        ap, bp = pad2(a_q), pad2(b_q)
+        kb = ap.shape[1] // ref.BLOCK
+        out = _mosaic_kernel()(ap, one_pad(a_s, ap.shape[0], kb), bp,
+                               one_pad(b_s, bp.shape[0] // ref.BLOCK, kb), out_dtype=out_dtype)
+        return out[:m, :n]
+    a = ref.dequantize_rows_1x128(a_q, a_s)
+    b = ref.dequantize_blocks_128x128(b_q, b_s)
+    return _dot32(a, b.T).astype(out_dtype)
+
+
+def _wgrad(x_q, x_s, dy_q, dy_s, out_dtype):
+    """x [M, K] and dy [M, N] in 128 x 1 tiles -> x^T dy [K, N] in out_dtype (fp32 accumulation)."""
+    x = ref.dequantize_cols_128x1(x_q, x_s)
+    dy = ref.dequantize_cols_128x1(dy_q, dy_s)
+    return _dot32(x.T, dy).astype(out_dtype)
+
+
+# ----------------------------------------------------------------------------- dense
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _fp8_matmul(x, w, backend):
+    return _fp8_matmul_fwd(x, w, backend)[0]
+
+
+def _fp8_matmul_fwd(x, w, backend):
+    x_q, x_s = ref.quantize_rows_1x128(x)
+    w_q, w_s = ref.quantize_blocks_128x128(w)  # [K, N], scales [Kb, Nb]
+    y = _gemm_nt(backend, x_q, x_s, w_q.T, w_s.T, x.dtype)
+    xt_q, xt_s = ref.quantize_cols_128x1(x)
+    return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
+
+
+def _fp8_matmul_bwd(backend, res, dy):
+    xt_q, xt_s, w_q, w_s, x_meta, w_meta = res
+    dy_q, dy_s = ref.quantize_rows_1x128(dy)
+    dx = _gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)  # dy [M, N] @ (w [K, N])^T
+    dyt_q, dyt_s = ref.quantize_cols_128x1(dy)
+    dw = _wgrad(xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)
+    return dx, dw
+
+
+_fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
+
+
+def fp8_linear(x, w, *, impl: str = "auto"):
+    """y = x @ w with all three GEMMs (forward, dgrad, wgrad) in FP8 E4M3, block-scaled.
+
+    Args:
+      x: [..., K] in the compute dtype (float32 / bfloat16 / float16).
+      w: [K, N] (dsjax's `Linear` kernel layout, [in, out]) in any float dtype (the master
+        weight; it is quantised from its own values, not from a cast copy).
+      impl: "auto" | "reference" | "mosaic" (module docstring).
+    Returns:
+      [..., N] in x.dtype. Differentiable in x (gradient in x.dtype) and w (gradient in
+      w.dtype); the three GEMMs quantise as DeepSeek-V3 sec. 3.3 (module docstring).
+    Raises:
+      ValueError: x's last dim is not w's first, w is not 2-D, or impl is unknown / unavailable.
+    """
+    if w.ndim != 2 or x.shape[-1] != w.shape[0]:
+        raise ValueError(f"fp8_linear: x {list(x.shape)} and w {list(w.shape)} do not contract "
+                         f"(want x [..., K], w [K, N])")
+    backend = resolve_impl(impl)
+    lead = x.shape[:-1]
+    y = _fp8_matmul(x.reshape(-1, x.shape[-1]), w, backend)
+    return y.reshape(*lead, w.shape[1])
+
+
+# ----------------------------------------------------------------------------- grouped (MoE)
+
+def _quantize_experts(w):
+    """w [E, K, N] -> (q [E, K, N] e4m3, s [E, Kb, Nb] fp32): 128 x 128 blocks per expert."""
+    return jax.vmap(ref.quantize_blocks_128x128)(w)
+
+
+def _dequantize_experts(q, s):
+    return jax.vmap(ref.dequantize_blocks_128x128)(q, s)
+
+
+def _grouped_wgrad_operand(x, group_sizes):
+    """x [M, C] -> its group-padded copy quantised in 128 x 1 tiles: (q [P, C], s [P/128, C])."""
+    x_p, _, _ = ref.pad_groups(x, group_sizes)
+    return ref.quantize_cols_128x1(x_p)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def _fp8_gmm(x, w, group_sizes, backend):
+    return _fp8_gmm_fwd(x, w, group_sizes, backend)[0]
+
+
+def _fp8_gmm_fwd(x, w, group_sizes, backend):
+    del backend  # the grouped GEMMs run on the reference (module docstring)
+    x_q, x_s = ref.quantize_rows_1x128(x)
+    w_q, w_s = _quantize_experts(w)
+    with jax.default_matmul_precision("highest"):
+        y = grouped_matmul_reference(ref.dequantize_rows_1x128(x_q, x_s), _dequantize_experts(w_q, w_s),
+                                     group_sizes, preferred_element_type=jnp.float32)
+    xt_q, xt_s = _grouped_wgrad_operand(x, group_sizes)
+    return y.astype(x.dtype), (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
+
+
+def _fp8_gmm_bwd(backend, res, dy):
+    del backend
+    xt_q, xt_s, w_q, w_s, group_sizes, x_meta, w_meta = res
+    dy_q, dy_s = ref.quantize_rows_1x128(dy)
+    with jax.default_matmul_precision("highest"):
+        dx = grouped_matmul_reference(ref.dequantize_rows_1x128(dy_q, dy_s),
+                                      jnp.swapaxes(_dequantize_experts(w_q, w_s), 1, 2), group_sizes,
+                                      preferred_element_type=jnp.float32)
+    dyt_q, dyt_s = _grouped_wgrad_operand(dy, group_sizes)
+    _, tile_group, _ = ref._tile_layout(group_sizes, dy.shape[0], ref.BLOCK)
+    dw = ref.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, w_q.shape[0],
+                                     out_dtype=w_meta.dtype)
+    return dx.astype(x_meta.dtype), dw, None
+
+
+_fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
+
+
+def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
+    """Grouped GEMM of the routed experts in FP8: out[i] = x[i] @ w[g(i)], rows grouped
+    consecutively by group_sizes (the layout of `pallas_kernels.moe.grouped_matmul`).
+
+    Args:
+      x: [M, K] in the compute dtype, rows sorted by expert; w: [E, K, N] ([in, out] per
+        expert), any float dtype; group_sizes: [E] int, sum <= M (rows past the sum give zeros
+        and get zero gradients; empty experts allowed).
+      impl: "auto" | "reference" | "mosaic"; all run the reference today (module docstring).
+    Returns:
+      [M, N] in x.dtype. Differentiable in x and w (gradients in their dtypes); group_sizes
+      gets none. Forward: x 1 x 128, w 128 x 128 per expert; dgrad: dy 1 x 128, w^T blocks;
+      wgrad: x and dy 128 x 1 over each expert's tokens (tiles never span two experts).
+    Raises:
+      ValueError: shapes that do not fit, or an unknown impl.
+    """
+    if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
+        raise ValueError(f"fp8_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, group_sizes "
+                         f"{list(group_sizes.shape)} do not fit (want x [M, K], w [E, K, N], [E])")
+    if impl not in IMPLS:
+        raise ValueError(f"fp8: impl={impl!r}: expected one of {', '.join(IMPLS)}")
+    return _fp8_gmm(x, w, group_sizes.astype(jnp.int32), "reference")
