@@ -207,8 +207,11 @@ def absorbed_attention(attn, q, lc, k_rope, valid, scale):
     p = jax.nn.softmax(jnp.where(mask, (s_lat + s_rope) * scale, -jnp.inf), axis=-1)
     if c_scale is not None:
         p = p * c_scale[:, None, None, :]
-    o_lat = jnp.einsum("bhts,bsc->bthc", p.astype(cdt), c_kv, preferred_element_type=f32)
-    return jnp.einsum("bthc,chv->bthv", o_lat.astype(cdt), w_uv, preferred_element_type=f32).astype(cdt)
+    # o_lat is written in the compute dtype (accumulated in fp32 by the matmul): the next
+    # matmul takes it in that dtype, and XLA's CPU backend has no bf16 x bf16 -> f32 form of
+    # this contraction once fused into the step
+    o_lat = jnp.einsum("bhts,bsc->bthc", p.astype(cdt), c_kv)
+    return jnp.einsum("bthc,chv->bthv", o_lat, w_uv, preferred_element_type=f32).astype(cdt)
 
 
 def expanded_attention(attn, q, lc, k_rope, valid, scale):
