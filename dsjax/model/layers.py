@@ -177,11 +177,29 @@ class MLA(nnx.Module):
 
     def latent(self, x, cos, sin):
         """x [B, T, D] -> (normed c_kv [B, T, C], roped k_rope [B, T, R]): what the decode cache holds."""
+        c_kv, k_rope = self.latent_unroped(x)
+        return c_kv, self.rope_key(k_rope, cos, sin)
+
+    def latent_unroped(self, x):
+        """x [B, T, D] -> (normed c_kv [B, T, C], k_rope [B, T, R] before RoPE), compute dtype."""
         c = self.cfg
         kv = self.kv_a_proj_with_mqa(x)
         c_kv, k_rope = kv[..., :c.kv_lora_rank], kv[..., c.kv_lora_rank:]
-        k_rope = apply_rope(k_rope[:, :, None, :], cos, sin, c.rope_interleave)[:, :, 0, :]
         return self.kv_a_layernorm(c_kv), k_rope
+
+    def rope_key(self, k_rope, cos, sin):
+        """The shared RoPE key k_rope [B, S, R] rotated by (cos, sin) [B, S, R/2]; k_rope.dtype."""
+        return apply_rope(k_rope[:, :, None, :], cos, sin, self.cfg.rope_interleave)[:, :, 0, :]
+
+    def absorbed_weights(self, dtype):
+        """kv_b_proj's kernel split per head for absorbed attention (DeepSeek-V2 sec. 2.1.2):
+        (W_UK [C, H, Dn], W_UV [C, H, Dv]) in `dtype`; k_nope = c_kv @ W_UK and v = c_kv @ W_UV
+        per head, as in `expand_kv`. A LoRA adapter on kv_b_proj is folded in (W + A B scale)."""
+        c = self.cfg
+        lin = self.kv_b_proj
+        w = lin.kernel[...] if lin.lora is None else lin.lora.merged(lin.kernel[...], jnp.float32)
+        w = w.astype(dtype).reshape(c.kv_lora_rank, c.num_attention_heads, c.qk_nope_head_dim + c.v_head_dim)
+        return w[..., :c.qk_nope_head_dim], w[..., c.qk_nope_head_dim:]
 
     def expand_kv(self, c_kv, k_rope):
         """(c_kv [B, S, C], k_rope [B, S, R]) -> k [B, S, H, Dn + R], v [B, S, H, Dv]."""

@@ -1,5 +1,5 @@
 """The DeepSeek decoder: embedding, stacked dense and MoE layers run with `jax.lax.scan`, final norm,
-lm_head; plus the MLA latent-cache decode step used by generation.
+lm_head. Generation with the MLA latent cache is `dsjax.model.decode`.
 
 Legend: B batch, T tokens, D hidden_size, V vocab_size, L layers, E experts, C kv_lora_rank,
 R qk_rope_head_dim. Layer N is dense iff N < first_k_dense_replace (HF `DeepseekV3DecoderLayer`).
@@ -19,7 +19,6 @@ from dsjax.model.lora import dropout_key_data, layer_dropout
 from dsjax.model.moe import EXPERT_PROJS, MoE, expert_stacks
 from dsjax.model.mtp import MTP
 from dsjax.model.rope import inv_freq_and_attention_factor, rope_cos_sin, softmax_scale
-from pallas_kernels.flash_attention.reference import attention_reference
 
 REMAT_POLICIES = {
     "full": jax.checkpoint_policies.nothing_saveable,
@@ -218,54 +217,3 @@ class DeepSeekModel(nnx.Module):
         """`mtp_hidden` projected to fp32 logits: (list of K [B, T, V], list of K stats dicts)."""
         hs, stats = self.mtp_hidden(h, tokens, positions, segment_ids)
         return [self.logits(x) for x in hs], stats
-
-    # -- generation with the MLA latent cache --------------------------------------------------
-    def init_cache(self, batch: int, max_len: int):
-        """Zeroed cache: per layer the normed latent c_kv [L, B, S, C] and roped k_rope [L, B, S, R]."""
-        c, dt = self.cfg, dtype_of(self.cfg.dtype)
-        L = c.num_hidden_layers
-        return {"c_kv": jnp.zeros((L, batch, max_len, c.kv_lora_rank), dt),
-                "k_rope": jnp.zeros((L, batch, max_len, c.qk_rope_head_dim), dt)}
-
-    def decode(self, tokens, cache, start):
-        """Run tokens [B, t] at positions start..start+t-1 against the cache (prefill or one step).
-
-        Attention uses only the cached latent (c_kv, k_rope) expanded through kv_b_proj, never
-        stored K/V. Returns (logits [B, t, V], new cache).
-        """
-        B, t = tokens.shape
-        positions = start + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (B, t))
-        cos, sin = rope_cos_sin(positions, self.inv_freq, self.attn_factor)
-        h = self.embed(tokens)
-        ones = jnp.ones((B, t), bool)
-        new_c, new_r = [], []
-        li = 0
-        for stack in (self.dense_layers, self.moe_layers):
-            if stack is None:
-                continue
-            graphdef, state = nnx.split(stack)
-
-            def body(carry, xs):
-                layer_state, c_kv_l, k_rope_l = xs
-                layer = nnx.merge(graphdef, layer_state)
-                attn = layer.self_attn
-                x = layer.input_layernorm(carry)
-                q = attn.queries(x, cos, sin)
-                c_new, r_new = attn.latent(x, cos, sin)
-                c_kv_l = jax.lax.dynamic_update_slice_in_dim(c_kv_l, c_new.astype(c_kv_l.dtype), start, 1)
-                k_rope_l = jax.lax.dynamic_update_slice_in_dim(k_rope_l, r_new.astype(k_rope_l.dtype), start, 1)
-                k, v = attn.expand_kv(c_kv_l, k_rope_l)
-                # causal on absolute positions; unwritten slots (> start + t - 1) are masked too
-                o = attention_reference(q, k, v, causal=True, scale=self.scale, q_offset=start)
-                carry = carry + attn.o_proj(o.reshape(B, t, -1))
-                y = layer.post_attention_layernorm(carry)
-                y = layer.mlp(y, ones)[0] if layer.is_moe else layer.mlp(y)
-                return carry + y, (c_kv_l, k_rope_l)
-
-            n = jax.tree.leaves(state)[0].shape[0]
-            h, (c_l, r_l) = jax.lax.scan(body, h, (state, cache["c_kv"][li:li + n], cache["k_rope"][li:li + n]))
-            new_c.append(c_l)
-            new_r.append(r_l)
-            li += n
-        cache = {"c_kv": jnp.concatenate(new_c, 0), "k_rope": jnp.concatenate(new_r, 0)}
-        return self.logits(self.norm(h)), cache

@@ -1,5 +1,6 @@
 """Generation: the MLA latent cache gives the same tokens as full recomputation; sampling rules;
 the CLI loads a training run."""
+import json
 import shutil
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ from flax import nnx
 import dsjax  # noqa: F401
 from dsjax import config as C
 from dsjax import generate as G
+from dsjax.cli import run_main
 from dsjax.data import stdlib_files
 from dsjax.model import DeepSeekModel
 from dsjax.train import loop
@@ -33,6 +35,57 @@ def test_cache_and_no_cache_give_same_tokens(temperature, top_p):
     assert a.shape == (2, 29)
     np.testing.assert_array_equal(a, b)
     assert len(set(a[0, 5:].tolist())) > 1  # not a degenerate constant sequence
+
+
+def test_batched_prompts_equal_each_alone_and_stop_per_row():
+    cfg = C.ModelConfig(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
+                        num_hidden_layers=3, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=12,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
+                        num_experts_per_tok=2, first_k_dense_replace=1, initializer_range=0.2)
+    m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    rows = [rng.integers(1, 97, n).astype(np.int32) for n in (7, 3, 5)]
+    alone = [G.generate(m, r[None], 12)[0][0] for r in rows]
+    ids = np.zeros((3, 7), np.int32)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)] = r
+    lens = [len(r) for r in rows]
+    for opts in ({}, {"kv_cache_dtype": "int8"}, {"use_cache": False}):
+        got, _ = G.generate(m, ids, 12, lengths=lens, **opts)
+        if not opts:
+            for i, r in enumerate(rows):
+                np.testing.assert_array_equal(got[i, :len(r) + 12], alone[i])
+                assert (got[i, len(r) + 12:] == -1).all()
+        else:
+            assert got.shape == (3, 19) and (got[0] >= 0).all()
+    # EOS: a token that row 1 produces mid-way; each row stops at its first EOS, the rest padded
+    eos = int(alone[1][3 + 4])
+    got, _ = G.generate(m, ids, 12, lengths=lens, eos_id=eos)
+    for i, r in enumerate(rows):
+        new = alone[i][len(r):].tolist()
+        want = new[:new.index(eos) + 1] if eos in new else new
+        row = got[i][got[i] >= 0].tolist()
+        assert row == r.tolist() + want
+        assert (got[i, len(row):] == -1).all()
+    assert got.shape[1] == max(len(r) + len(n) for r, n in zip(rows, [
+        (lambda n: n[:n.index(eos) + 1] if eos in n else n)(a[len(r):].tolist()) for r, a in zip(rows, alone)]))
+
+
+def test_bad_generation_options_exit_2_before_reading_the_run(tmp_path, monkeypatch, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "a"}\n\n{"text": "b"}\n')
+    cases = [(["--prompt", "x", "--sink-tokens", "4"], "sink_tokens (--sink-tokens): needs window"),
+             (["--prompt", "x", "--window", "0"], "window (--window): must be at least 1"),
+             (["--prompts-file", str(prompts)], f"{prompts}:3: expected an object with a string \"prompt\" field"),
+             (["--prompts-file", str(tmp_path / "none.txt")], "--prompts-file not found")]
+    for extra, msg in cases:
+        monkeypatch.setattr(sys, "argv", ["dsjax.generate", "--checkpoint", str(tmp_path / "no_run"), *extra])
+        with pytest.raises(SystemExit) as e:
+            run_main("dsjax.generate", G.main)
+        assert e.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err == f"dsjax.generate: error: {msg}" or (msg in err and "\n" not in err), err
+    assert not (tmp_path / "no_run").exists()
 
 
 def test_sampling_rules():
@@ -65,5 +118,20 @@ def test_cli_generates_from_a_run(tmp_path, monkeypatch, capsys):
     out = capsys.readouterr().out
     assert out.startswith("def f(x):")
     assert "tokens/s" in out and "checkpoint step 2" in out
+    # a prompts file in batches of 2, int8 latent, sinks + window: one JSON line per prompt
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(x):\n\nimport os\nclass A:\n")
+    monkeypatch.setattr(sys, "argv", ["dsjax.generate", "--checkpoint", str(tmp_path / "run"), "--prompts-file",
+                                      str(prompts), "--batch-size", "2", "--max-new-tokens", "6",
+                                      "--kv-cache-dtype", "int8", "--window", "8", "--sink-tokens", "2"])
+    G.main()
+    cap = capsys.readouterr()
+    lines = [json.loads(x) for x in cap.out.splitlines()]
+    assert [x["prompt"] for x in lines] == ["def f(x):", "import os", "class A:"]
+    assert all(x["completion"].startswith(x["prompt"]) and 1 <= x["new_tokens"] <= 6 for x in lines)
+    assert "tokens/s" in cap.err and "int8" in cap.err and "2 sinks + window 8" in cap.err
+    # cache bytes of a batch of 2: 2 layers x 2 rows x 10 slots x (C int8 + 4-byte scale + R float32)
+    c = C.load(ROOT / "configs" / "tiny.yaml", ["model.vocab_size=300", "model.num_hidden_layers=2"]).model
+    assert f"{2 * 2 * 10 * (c.kv_lora_rank + 4 + 4 * c.qk_rope_head_dim)} bytes" in cap.err
     with pytest.raises(FileNotFoundError, match="no checkpoints directory"):
         G.load_run(tmp_path / "nope")

@@ -208,22 +208,26 @@ def test_remat_same_gradients():
 
 @pytest.mark.parametrize("q_lora", [None, 16])
 def test_latent_cache_decode_matches_full_forward(q_lora):
+    from dsjax.model import decode as D
+
     cfg = small_cfg(q_lora_rank=q_lora, rope_scaling=C.RopeScaling(factor=4.0, original_max_position_embeddings=16,
                                                                      mscale=1.0, mscale_all_dim=1.0))
     m = DeepSeekModel(cfg, rngs=nnx.Rngs(0))
     toks = jax.random.randint(jax.random.key(2), (2, 20), 0, 128)
     # jitted as generate() runs them (prefill at 0, one step program for every position)
     full = jax.jit(lambda t: m(t)[0])(toks)
-    cache = m.init_cache(2, 24)
-    assert set(cache) == {"c_kv", "k_rope"}
-    assert cache["c_kv"].shape == (3, 2, 24, 12) and cache["k_rope"].shape == (3, 2, 24, 4)
-    l1, cache = jax.jit(lambda t, c: m.decode(t, c, 0))(toks[:, :13], cache)
-    step = jax.jit(lambda t, c, pos: m.decode(t, c, pos))
+    cc = D.CacheConfig()
+    cache = D.init_cache(cfg, 2, 24, cc)
+    assert len(cache) == 3 and set(cache[0]) == {"c_kv", "k_rope"}
+    assert cache[0]["c_kv"].shape == (2, 24, 12) and cache[0]["k_rope"].shape == (2, 24, 4)
+    last = jnp.full((2,), 12, jnp.int32)
+    l1, cache = jax.jit(lambda t, c: D.prefill(m, t, c, last, cc))(toks[:, :13], cache)
+    step = jax.jit(lambda t, c, cur: D.decode_step(m, t, c, cur, cc))
     outs = [l1]
     for t in range(13, 20):
-        lt, cache = step(toks[:, t:t + 1], cache, jnp.asarray(t, jnp.int32))
+        lt, cache = step(toks[:, t:t + 1], cache, jnp.full((2,), t, jnp.int32))
         outs.append(lt)
-    np.testing.assert_allclose(jnp.concatenate(outs, 1), full, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(jnp.stack(outs, 1), full[:, 12:], rtol=1e-4, atol=1e-5)
 
 
 def test_case8_bf16_loss_is_not_quantised():

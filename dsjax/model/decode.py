@@ -1,0 +1,254 @@
+"""Generation with the MLA latent cache: prefill on expanded K/V, decode steps on the latent
+(absorbed attention), an optional int8 latent, optional attention sinks with a sliding window.
+
+Legend: B batch, T new tokens, S cache slots, H heads, C kv_lora_rank, R qk_rope_head_dim,
+Dn qk_nope_head_dim, Dv v_head_dim, V vocab_size, L layers.
+
+Cache (`init_cache`): a tuple of L per-layer dicts, each
+  c_kv    [B, S, C]  the normed latent, in the cache dtype (int8: rint(c_kv / c_scale));
+  c_scale [B, S]     float32, only for int8: max|c_kv| / 127 per token (the token's scale);
+  k_rope  [B, S, R]  the shared RoPE key in the compute dtype (also for int8).
+Per-layer arrays (not one stacked [L, ...] array) so a step's per-row writes update each
+layer's buffer in place when the cache is donated.
+
+Positions. Full cache (`window` None): token n of a row sits in slot n at position n and k_rope
+is stored rotated. Sinks + window (StreamingLLM, Xiao et al. 2023): S = sink_tokens + window;
+the first sink_tokens tokens keep slots 0..k-1, later tokens go round a ring buffer of `window`
+slots, k_rope is stored before RoPE and rotated at its position within the cache each step
+(sinks at 0..k-1, the window's tokens in order after them, the query last), so relative
+distances inside the window are exact and positions never pass S - 1. While a row's stream fits
+(n < S) every position equals the full cache's.
+
+Absorbed decode (DeepSeek-V2 sec. 2.1.2): with W_UK [C, H, Dn] and W_UV [C, H, Dv] from
+kv_b_proj, q_lat = q_nope @ W_UK^T [B, T, H, C]; scores = (q_lat . c_kv + q_rope . k_rope) *
+scale over the valid slots; o_lat = softmax @ c_kv [B, T, H, C]; heads = o_lat @ W_UV
+[B, T, H, Dv]; then o_proj. Reads (C + R) values per cached token instead of expanding
+H * (Dn + Dv). int8 dequantises inside: scores use (q_lat . c_int8) * c_scale and o_lat uses
+(p * c_scale) @ c_int8.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from dsjax.model.layers import dtype_of
+from dsjax.model.rope import rope_cos_sin
+from pallas_kernels.flash_attention import flash_attention
+from pallas_kernels.flash_attention.reference import attention_reference
+
+KV_CACHE_DTYPES = ("bfloat16", "float32", "int8")
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+    """How generation caches and reads the latent.
+
+    dtype: None (the model's compute dtype), "bfloat16", "float32" or "int8" (c_kv in int8 with
+      a float32 scale per token; k_rope stays in the compute dtype).
+    sink_tokens, window: None window = a full cache of every token; else the first sink_tokens
+      tokens plus the last `window` ones (StreamingLLM), a cache of sink_tokens + window slots.
+    absorb: decode steps attend over the latent (True) or expand K/V through kv_b_proj (False,
+      the training form; prefill always expands).
+    Raises ValueError (one line naming the option) on a bad value.
+    """
+
+    dtype: str | None = None
+    sink_tokens: int = 0
+    window: int | None = None
+    absorb: bool = True
+
+    def __post_init__(self):
+        if self.dtype is not None and self.dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype (--kv-cache-dtype): {self.dtype!r} is not one of "
+                             f"{', '.join(KV_CACHE_DTYPES)}")
+        if self.window is not None and self.window < 1:
+            raise ValueError(f"window (--window): must be at least 1 (got {self.window})")
+        if self.sink_tokens < 0:
+            raise ValueError(f"sink_tokens (--sink-tokens): must be at least 0 (got {self.sink_tokens})")
+        if self.sink_tokens and self.window is None:
+            raise ValueError("sink_tokens (--sink-tokens): needs window (--window): the sinks are kept "
+                             "in front of a sliding window")
+
+    def slots(self, needed: int) -> int:
+        """Cache length S: `needed` (prompt + new tokens) for a full cache, else sinks + window."""
+        return needed if self.window is None else self.sink_tokens + self.window
+
+
+def cache_shapes(cfg, batch: int, length: int, cc: CacheConfig):
+    """The cache's layout as a tuple of L dicts of jax.ShapeDtypeStruct (see the module doc)."""
+    name = cc.dtype or cfg.dtype
+    cdt = dtype_of(cfg.dtype)
+    sd = jax.ShapeDtypeStruct
+    layer = {"c_kv": sd((batch, length, cfg.kv_lora_rank), jnp.int8 if name == "int8" else dtype_of(name)),
+             "k_rope": sd((batch, length, cfg.qk_rope_head_dim), cdt if name == "int8" else dtype_of(name))}
+    if name == "int8":
+        layer["c_scale"] = sd((batch, length), jnp.float32)
+    return tuple(dict(layer) for _ in range(cfg.num_hidden_layers))
+
+
+def init_cache(cfg, batch: int, length: int, cc: CacheConfig):
+    """A zeroed cache of `length` slots per row (`cache_shapes`)."""
+    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), cache_shapes(cfg, batch, length, cc))
+
+
+def cache_nbytes(cache) -> int:
+    """Bytes of a cache's arrays (arrays or ShapeDtypeStructs)."""
+    return int(sum(x.size * jnp.dtype(x.dtype).itemsize for x in jax.tree.leaves(cache)))
+
+
+def quantize_int8(x):
+    """x [..., C] -> (int8 rint(x / s) [..., C], s = max|x| / 127 [...] float32); all-zero rows
+    give s = 0 and zeros. |error| <= s / 2 per element."""
+    xf = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(xf), axis=-1)
+    inv = jnp.where(amax > 0, 127.0 / jnp.where(amax > 0, amax, 1.0), 0.0)
+    q = jnp.clip(jnp.rint(xf * inv[..., None]), -127, 127).astype(jnp.int8)
+    return q, amax / 127.0
+
+
+def _layers(model):
+    """The decoder layers in order, each one nnx module (static slices of the stacks)."""
+    for stack in (model.dense_layers, model.moe_layers):
+        if stack is None:
+            continue
+        graphdef, state = nnx.split(stack)
+        for i in range(jax.tree.leaves(state)[0].shape[0]):
+            yield nnx.merge(graphdef, jax.tree.map(lambda x, i=i: x[i], state))
+
+
+def _mlp(layer, h):
+    y = layer.post_attention_layernorm(h)
+    ones = jnp.ones(h.shape[:2], bool)
+    return h + (layer.mlp(y, ones)[0] if layer.is_moe else layer.mlp(y))
+
+
+def _store(lc, c_kv, k_rope, write):
+    """Write c_kv [B, T, C] (quantised for an int8 cache) and k_rope [B, T, R] with
+    write(buffer, values) into the layer's cache dict; returns the new dict."""
+    out = dict(lc)
+    if "c_scale" in lc:
+        q, s = quantize_int8(c_kv)
+        out["c_kv"], out["c_scale"] = write(lc["c_kv"], q), write(lc["c_scale"], s)
+    else:
+        out["c_kv"] = write(lc["c_kv"], c_kv.astype(lc["c_kv"].dtype))
+    out["k_rope"] = write(lc["k_rope"], k_rope.astype(lc["k_rope"].dtype))
+    return out
+
+
+def prefill(model, tokens, cache, last, cc: CacheConfig):
+    """Run tokens [B, T] int32 at positions 0..T-1 into an empty cache (T <= S): causal
+    attention over the chunk itself on expanded K/V (the full-precision latent; an int8 cache
+    stores the quantised one). Rows may be right-padded: the slots past a row's length hold
+    padding that the decode steps mask and then overwrite.
+
+    last: [B] int32, the index of each row's last prompt token. Returns (logits [B, V] float32
+    at `last`, the cache with slots 0..T-1 written).
+    """
+    cfg = model.cfg
+    B, T = tokens.shape
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    cos, sin = rope_cos_sin(positions, model.inv_freq, model.attn_factor)
+    h = model.embed(tokens)
+    new = []
+    for layer, lc in zip(_layers(model), cache):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.queries(x, cos, sin)
+        c_kv, k_raw = attn.latent_unroped(x)
+        k_rope = attn.rope_key(k_raw, cos, sin)
+        k, v = attn.expand_kv(c_kv, k_rope)
+        o = flash_attention(q, k, v, causal=True, scale=model.scale, impl=cfg.attention_impl)
+        h = _mlp(layer, h + attn.o_proj(o.reshape(B, T, -1)))
+        keep = k_rope if cc.window is None else k_raw
+        new.append(_store(lc, c_kv, keep, lambda buf, val: jax.lax.dynamic_update_slice_in_dim(buf, val, 0, 1)))
+    h_last = h[jnp.arange(B), last][:, None]
+    return model.logits(model.norm(h_last))[:, 0], tuple(new)
+
+
+def slot_layout(cur, S: int, cc: CacheConfig):
+    """Where token `cur` [B] int32 (its index in each row's stream) goes and what it sees.
+
+    Returns (slot [B] where it is written, q_pos [B] its RoPE position, key_pos [B, S] the
+    positions of the slots' keys (None for a full cache: the slot index, keys stored rotated),
+    valid [B, S] bool: the slots it attends to, itself included)."""
+    s = jnp.arange(S, dtype=jnp.int32)[None, :]
+    if cc.window is None:
+        return cur, cur, None, s <= cur[:, None]
+    k, W = cc.sink_tokens, cc.window
+    slot = jnp.where(cur < k, cur, k + jnp.remainder(cur - k, W))
+    n = cur + 1  # tokens in the stream once this one is written
+    offset = jnp.maximum(n - S, 0)  # tokens that have left the window
+    held = cur[:, None] - jnp.remainder(cur[:, None] - s, W)  # the token a ring slot holds (k + j = s)
+    key_pos = jnp.where(s < k, s, held - offset[:, None])
+    return slot, cur - offset, key_pos, s < jnp.minimum(n, S)[:, None]
+
+
+def absorbed_attention(attn, q, lc, k_rope, valid, scale):
+    """Attention over the latent. q [B, T, H, Dn + R] (roped); lc the layer's cache (c_kv
+    [B, S, C], c_scale [B, S] for int8); k_rope [B, S, R] rotated; valid [B, S] or [B, T, S]
+    bool. Returns heads [B, T, H, Dv] in q.dtype. fp32 scores, softmax and accumulation;
+    the two latent matmuls take compute-dtype operands."""
+    cfg = attn.cfg
+    cdt = q.dtype
+    w_uk, w_uv = attn.absorbed_weights(cdt)
+    q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
+    f32 = jnp.float32
+    q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=f32).astype(cdt)
+    c_kv = lc["c_kv"].astype(cdt)  # int8 values are exact in bf16
+    s_lat = jnp.einsum("bthc,bsc->bhts", q_lat, c_kv, preferred_element_type=f32)
+    c_scale = lc.get("c_scale")
+    if c_scale is not None:
+        s_lat = s_lat * c_scale[:, None, None, :]
+    s_rope = jnp.einsum("bthr,bsr->bhts", q_rope, k_rope.astype(cdt), preferred_element_type=f32)
+    mask = valid[:, None, None, :] if valid.ndim == 2 else valid[:, None]
+    p = jax.nn.softmax(jnp.where(mask, (s_lat + s_rope) * scale, -jnp.inf), axis=-1)
+    if c_scale is not None:
+        p = p * c_scale[:, None, None, :]
+    # o_lat is written in the compute dtype (accumulated in fp32 by the matmul): the next
+    # matmul takes it in that dtype, and XLA's CPU backend has no bf16 x bf16 -> f32 form of
+    # this contraction once fused into the step
+    o_lat = jnp.einsum("bhts,bsc->bthc", p.astype(cdt), c_kv)
+    return jnp.einsum("bthc,chv->bthv", o_lat, w_uv, preferred_element_type=f32).astype(cdt)
+
+
+def expanded_attention(attn, q, lc, k_rope, valid, scale):
+    """The same attention with the cached latent (dequantised for int8) expanded through
+    kv_b_proj into per-head K/V [B, S, H, *] (the training form); valid [B, S]."""
+    c_kv = lc["c_kv"]
+    if "c_scale" in lc:
+        c_kv = c_kv.astype(jnp.float32) * lc["c_scale"][..., None]
+    k, v = attn.expand_kv(c_kv.astype(q.dtype), k_rope)
+    seg = (jnp.ones(q.shape[:2], jnp.int32), valid.astype(jnp.int32))  # slot segment 0 = masked
+    return attention_reference(q, k, v, causal=False, scale=scale, segment_ids=seg)
+
+
+def decode_step(model, tokens, cache, cur, cc: CacheConfig):
+    """One token per row: tokens [B, 1] int32, token index cur [B] int32 in each row's stream
+    (rows advance independently). Writes its latent at `slot_layout`'s slot, then attends over
+    the row's valid slots (absorbed or expanded per `cc.absorb`). Returns (logits [B, V] float32,
+    the new cache)."""
+    B = tokens.shape[0]
+    S = cache[0]["c_kv"].shape[1]
+    slot, q_pos, key_pos, valid = slot_layout(cur, S, cc)
+    cos_q, sin_q = rope_cos_sin(q_pos[:, None], model.inv_freq, model.attn_factor)
+    if key_pos is not None:
+        cos_k, sin_k = rope_cos_sin(key_pos, model.inv_freq, model.attn_factor)
+    rows = jnp.arange(B)
+    attend = absorbed_attention if cc.absorb else expanded_attention
+    h = model.embed(tokens)
+    new = []
+    for layer, lc in zip(_layers(model), cache):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.queries(x, cos_q, sin_q)
+        c_new, k_raw = attn.latent_unroped(x)
+        k_new = k_raw if key_pos is not None else attn.rope_key(k_raw, cos_q, sin_q)
+        lc = _store(lc, c_new, k_new, lambda buf, val: buf.at[rows, slot].set(val[:, 0]))
+        k_rope = lc["k_rope"] if key_pos is None else attn.rope_key(lc["k_rope"], cos_k, sin_k)
+        o = attend(attn, q, lc, k_rope, valid, model.scale)
+        h = _mlp(layer, h + attn.o_proj(o.reshape(B, 1, -1)))
+        new.append(lc)
+    return model.logits(model.norm(h))[:, 0], tuple(new)
