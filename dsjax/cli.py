@@ -12,7 +12,10 @@ from dsjax.errors import RunStopped
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--config", help="YAML overlay on the defaults (e.g. configs/tiny.yaml)")
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML file applied over the defaults (e.g. configs/tiny.yaml); repeatable: "
+                        "files apply left to right, a file's top-level 'base: other.yaml' (relative "
+                        "to it) first, and --set last")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override one field, e.g. --set optim.learning_rate=1e-5 (repeatable)")
 

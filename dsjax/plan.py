@@ -313,7 +313,8 @@ def _report(cfg, n, hbm_gb, res) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsjax.plan", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", action="append", required=True, metavar="FILE",
+                    help="YAML config; repeatable, applied left to right (a file's 'base:' first)")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--hbm-gb", type=float, default=80.0,
