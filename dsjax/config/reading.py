@@ -38,7 +38,15 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
             value = [value]
         if not isinstance(value, (list, tuple)):
             raise ConfigError(f"config: {key} must be a list, got {value!r}")
-        return [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
+        items = []
+        for i, v in enumerate(value):
+            try:
+                items.append(_convert(v, item_tp, f"{key}[{i}]"))
+            except ConfigError as e:
+                if getattr(e, "key", None) is None:
+                    e.key = f"{key}[{i}]"
+                raise
+        return items
     if tp is dict or origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"config: {key} must be a mapping, got {value!r}")
