@@ -37,6 +37,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer, abstract_like
+from dsjax.config.checks import check_moe_kernel_rows
 from dsjax.data import Documents, PackedLoader, chat, expand_sources, load_or_train, split_files, stdlib_files
 from dsjax.errors import RunStopped
 from dsjax.hf import load_hf_params
@@ -104,7 +105,8 @@ def setup_parallel(cfg: C.Config, devices=None) -> Parallel:
     Raises:
       sharding.mesh.MeshError / sharding.rules.ShardingRuleError: sizes that do not fit the
         devices, or a mesh axis the preset does not use.
-      ConfigError: the global batch does not split over the batch axes or the processes.
+      ConfigError: the global batch does not split over the batch axes or the processes, or
+        model.moe_impl=pallas gets fewer routed rows per device than its kernel takes.
     """
     sdist.initialize_from_config(cfg.distributed)
     _prefix_secondary_logs()
@@ -122,6 +124,13 @@ def setup_parallel(cfg: C.Config, devices=None) -> Parallel:
     if cfg.data.batch_size % jax.process_count():
         raise C.ConfigError(f"config: data.batch_size={cfg.data.batch_size} is not divisible by "
                             f"{jax.process_count()} processes")
+    if mesh.size > 1:  # the routed experts' rows per device, as `moe_from_context` splits them
+        d = cfg.data
+        spec = par.ctx.spec(("batch", "seq", None), (d.batch_size, d.seq_len, cfg.model.hidden_size),
+                            strict=False)
+        axes = [a for e in spec[:2] if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        check_moe_kernel_rows(cfg, int(np.prod([mesh.shape[a] for a in axes])),
+                              mesh.shape["expert"], str(dict(mesh.shape)))
     return par
 
 
