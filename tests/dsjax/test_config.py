@@ -259,3 +259,63 @@ def test_a_cycle_of_bases_is_one_line_exit_2(tmp_path, monkeypatch, capsys):
     assert ex.value.code == 2 and err.count("\n") == 1, err
     assert err == f"dsjax.train: error: config: base files form a cycle: {two} -> {three} -> {one} -> {two}\n"
     assert not run.exists()
+
+
+# --- Pallas kernels: routed rows for the grouped GEMM; interpret mode's CPU threads ----------------
+
+MOE_PALLAS = ["model.moe_impl=pallas", "model.dtype=bfloat16", "model.moe_intermediate_size=128"]
+
+
+def test_moe_pallas_with_fewer_rows_than_the_kernel_tile_is_refused(tmp_path, monkeypatch, capsys):
+    from dsjax.cli import run_main
+    from dsjax.train.__main__ import main as train_main
+    tiny = ROOT / "configs" / "tiny.yaml"
+    with pytest.raises(C.ConfigError) as e:
+        C.load(tiny, MOE_PALLAS + ["data.batch_size=1", "data.seq_len=32"])
+    msg = str(e.value)
+    assert msg == ("config: model.moe_impl=pallas: the grouped-GEMM kernel needs at least 128 routed rows, "
+                   "and data.batch_size=1 x data.seq_len=32 x model.num_experts_per_tok=2 give 64; use "
+                   "data.batch_size x data.seq_len >= 64 or model.moe_impl=auto"), msg
+    with pytest.raises(C.ConfigError, match=r"x model.num_experts_per_tok=3 give 123; .* >= 43 or"):
+        C.load(tiny, MOE_PALLAS + ["data.batch_size=1", "data.seq_len=41", "model.num_experts_per_tok=3"])
+    for sets in (["data.batch_size=1", "data.seq_len=64"], ["data.batch_size=2", "data.seq_len=32"],
+                 ["data.batch_size=1", "data.seq_len=43", "model.num_experts_per_tok=3"],  # 129 rows
+                 ["data.batch_size=1", "data.seq_len=32", "model.moe_impl=auto"],
+                 ["data.batch_size=1", "data.seq_len=32", "model.first_k_dense_replace=4"]):  # no MoE layer
+        C.load(tiny, MOE_PALLAS + sets)
+    # through the command: one line, exit 2, no run directory
+    run = tmp_path / "run"
+    argv = ["python -m dsjax.train", "--config", str(tiny)]
+    for s in MOE_PALLAS + ["data.batch_size=1", "data.seq_len=32", f"train.run_dir={run}"]:
+        argv += ["--set", s]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", train_main)
+    assert ex.value.code == 2 and capsys.readouterr().err == f"dsjax.train: error: {msg}\n"
+    assert not run.exists()
+
+
+def test_moe_pallas_rows_per_device_are_checked_before_the_run_dir(tmp_path):
+    """On the tests' 8 CPU devices the default fsdp mesh splits the batch 8 ways: 512 routed rows
+    in all are 64 per device."""
+    import jax
+
+    from dsjax.train import loop
+    assert jax.device_count() == 8
+    tiny = ROOT / "configs" / "tiny.yaml"
+    cfg = C.load(tiny, MOE_PALLAS + ["data.batch_size=8", "data.seq_len=32", f"train.run_dir={tmp_path}/run"])
+    with pytest.raises(C.ConfigError) as e:
+        loop.train(cfg)
+    msg = str(e.value)
+    assert ("needs at least 128 routed rows per device, and data.batch_size=8 x data.seq_len=32 x "
+            "model.num_experts_per_tok=2 = 512, split over 8 token shards (x expert=1) of mesh" in msg
+            and "give 64 per device; use data.batch_size x data.seq_len >= 512 or model.moe_impl=auto" in msg), msg
+    assert "\n" not in msg and not (tmp_path / "run").exists()
+    loop.setup_parallel(C.load(tiny, MOE_PALLAS + ["data.batch_size=8", "data.seq_len=64"]))
+    # expert parallelism: each rank computes the rows of the tokens of its 2-rank expert group
+    loop.setup_parallel(C.load(tiny, MOE_PALLAS + ["data.batch_size=8", "data.seq_len=32", "mesh.preset=ep",
+                                                   "mesh.expert=2"]))
+    with pytest.raises(C.ConfigError, match=r"= 256, split over 8 token shards \(x expert=2\) .* give 64 per device; use "
+                                            r"data.batch_size x data.seq_len >= 256"):
+        loop.setup_parallel(C.load(tiny, MOE_PALLAS + ["data.batch_size=8", "data.seq_len=16", "mesh.preset=ep",
+                                                       "mesh.expert=2"]))

@@ -319,6 +319,65 @@ def test_damaged_checkpoint_named_and_fallback_only_on_request(corpus, finished_
     assert ck.latest_step() == 6 and ck.verify(4) is None and ck.verify(6) is None
 
 
+def _damage_step_4(run):
+    victim = max((p for p in (run / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+
+
+def test_resume_from_intact_that_cannot_move_the_step_aside_is_one_line(corpus, finished_run, tmp_path,
+                                                                        monkeypatch, capsys):
+    """checkpoints-damaged a regular file, or not writable (simulated: the tests run as root, whom
+    file modes do not stop): one line naming the path, exit 2, the run directory untouched."""
+    run = copy_run(finished_run, tmp_path)
+    _damage_step_4(run)
+    aside = run / "checkpoints-damaged"
+    aside.write_text("not a directory\n")
+    before = snapshot(run)
+    cfg = small(corpus, tmp_path, "train.steps=6", "checkpoint.every=2")
+
+    def command():
+        loop.train(cfg, from_intact=True)
+
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", command)
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and err == (
+        f"dsjax.train: error: --resume-from-intact: {aside} exists and is not a directory: the damaged "
+        f"checkpoint step 4 cannot be moved there (move or remove it)\n"), err
+    assert snapshot(run) == before and (run / "checkpoints" / "4").is_dir()
+
+    aside.unlink()
+    real_access = os.access
+    monkeypatch.setattr(loop.os, "access", lambda p, mode: Path(p) != run and real_access(p, mode))
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", command)
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and err == (
+        f"dsjax.train: error: --resume-from-intact: {run} is not writable: the damaged checkpoint step 4 "
+        f"cannot be moved there\n"), err
+    assert snapshot(run) == before and not aside.exists() and (run / "checkpoints" / "4").is_dir()
+
+
+def test_a_failed_move_aside_is_one_line(corpus, finished_run, tmp_path, monkeypatch, capsys):
+    """A move that fails although the checks passed (e.g. a read-only mount): one line, exit 2."""
+    run = copy_run(finished_run, tmp_path)
+    _damage_step_4(run)
+    before = snapshot(run)
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), src)
+
+    monkeypatch.setattr(loop.shutil, "move", refuse)
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", lambda: loop.train(small(corpus, tmp_path, "train.steps=6"), from_intact=True))
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and err == (
+        f"dsjax.train: error: --resume-from-intact: moving the damaged checkpoint step 4 ({run}/checkpoints/4) "
+        f"into {run}/checkpoints-damaged failed: Permission denied\n"), err
+    assert (run / "checkpoints" / "4").is_dir() and snapshot(run) == before
+
+
 def tb_events(tb_dir):
     """Every event of every TensorBoard file in tb_dir: [(file, Event)] (TFRecord framing:
     u64 length, u32 crc, payload, u32 crc)."""
@@ -424,7 +483,8 @@ def test_duplicate_yaml_key_and_binary_config_name_the_file(tmp_path):
 def test_late_errors_come_before_the_run_dir(corpus, tmp_path):
     cases = [
         (["data.train=[/nonexistent/dsjax/*.txt]"], FileNotFoundError, "matches no file"),
-        (["data.train=[/nonexistent/dsjax/file.txt]"], FileNotFoundError, "data source not found"),
+        (["data.train=[/nonexistent/dsjax/file.txt]"], FileNotFoundError,
+         "config: data.train\\[0\\]: /nonexistent/dsjax/file.txt does not exist"),
         (["model.vocab_size=200"], C.ConfigError, "needs a vocabulary of at least 258"),
     ]
     for extra, exc, needle in cases:

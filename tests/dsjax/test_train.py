@@ -383,6 +383,36 @@ def test_cli_log_lines_have_one_format():
     assert "INFO:dsjax" not in r.stderr
 
 
+def test_pallas_attention_in_interpret_mode_trains_without_pjrt_nproc(corpus, tmp_path):
+    """`python -m dsjax.train` with model.attention_impl=pallas on one CPU device (the kernel in
+    GPU interpret mode) and no PJRT_NPROC in the environment: with XLA's default pool of one
+    thread per core (2 on the test machine) the jitted step deadlocked at 0 % CPU after the run
+    directory was written; the command now sizes the pool before jax starts and the run ends."""
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env["JAX_PLATFORMS"] = "cpu"
+    run = tmp_path / "run"
+    sets = ["model.attention_impl=pallas", "model.dtype=bfloat16", "model.qk_nope_head_dim=48",
+            "model.qk_rope_head_dim=16", "model.v_head_dim=64", "model.hidden_size=64",
+            "model.intermediate_size=64", "model.moe_intermediate_size=32", "model.num_hidden_layers=2",
+            "model.vocab_size=300", "model.q_lora_rank=16", "model.kv_lora_rank=16", "data.seq_len=128",
+            "data.batch_size=1", f"data.train=[{corpus}/*.py]", "data.val_fraction=0",
+            f"data.cache_dir={tmp_path}/cache", "train.steps=2", f"train.run_dir={run}", "train.progress=false",
+            "train.tensorboard=false", "train.log_every=1", "checkpoint.every=1000"]
+    argv = [sys.executable, "-m", "dsjax.train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    for s in sets:
+        argv += ["--set", s]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'summary {"steps": 2' in r.stdout, r.stdout[-2000:]
+    assert "can deadlock" not in r.stderr  # the kernels' warning about a small pool did not fire
+    losses, _ = read_metrics(run)
+    assert sorted(losses) == [1, 2] and all(np.isfinite(v) for v in losses.values())
+
+
 @pytest.mark.parametrize("extra", [[], ["model.moe_recompute=true"], ["model.dtype=float16"]])
 def test_expert_gradients_written_in_place_equal_the_stacked_ones(tmp_path, monkeypatch, extra):
     """Unrolled MoE layers on one device write their routed experts' weight gradients into the
