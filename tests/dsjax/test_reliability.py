@@ -192,6 +192,8 @@ def test_fp16_runaway_skipping_stops_naming_the_step(corpus, tmp_path):
         loop.train(cfg)
     msg = str(e.value)
     assert "\n" not in msg and "4 consecutive steps" in msg and "reached at step" in msg, msg
+    assert "(loss scale now " in msg and msg.endswith("; lower optim.learning_rate, or use model.dtype=bfloat16 "
+                                                      "(float32's exponent range, no loss scaling)"), msg
     recs = logged_steps(cfg.train.run_dir)
     assert recs[0]["loss_scale"] == 2.0 ** 15  # the documented initial scale, logged at step 1
     assert recs[-1]["step"] < 30 and recs[-1]["skipped"] >= 4
@@ -348,6 +350,7 @@ def test_resume_from_intact_that_cannot_move_the_step_aside_is_one_line(corpus, 
     assert snapshot(run) == before and (run / "checkpoints" / "4").is_dir()
 
     aside.unlink()
+    before = snapshot(run)
     real_access = os.access
     monkeypatch.setattr(loop.os, "access", lambda p, mode: Path(p) != run and real_access(p, mode))
     with pytest.raises(SystemExit) as ex:

@@ -166,8 +166,58 @@ def test_bf16_nonfinite_stops_naming_the_step(corpus, tmp_path, monkeypatch):
         return b
 
     monkeypatch.setattr(loop.PackedLoader, "__next__", poisoned)
-    with pytest.raises(loop.NonFiniteError, match="non-finite gradients at step 3"):
+    with pytest.raises(loop.NonFiniteError, match="non-finite gradients at step 3") as e:
         loop.train(cfg)
+    msg = str(e.value)  # advice for bf16: not "use model.dtype=bfloat16", nor a loss scale
+    assert msg == ("non-finite gradients at step 3: no update was applied from then on; lower "
+                   "optim.learning_rate (now 0.003) or raise optim.warmup_steps, check the training data of "
+                   "those steps, or set train.skip_nonfinite=true to skip such steps (at most "
+                   "train.max_skipped_steps=20 in a row)"), msg
+
+
+def test_bf16_skipping_that_reaches_the_limit_advises_for_bf16(corpus, tmp_path, monkeypatch):
+    # train.skip_nonfinite under bf16: every step from the 2nd on has a NaN in its loss mask, so
+    # train.max_skipped_steps = 2 is reached at step 3; the advice is that of a bf16 run
+    cfg = cfg_for(corpus, tmp_path, "train.steps=5", "model.dtype=bfloat16", "data.seq_len=32",
+                  "model.num_hidden_layers=2", "data.val_fraction=0", "train.skip_nonfinite=true",
+                  "train.max_skipped_steps=2", "optim.learning_rate=2e-3")
+    orig = loop.PackedLoader.__next__
+    calls = {"n": 0}
+
+    def poisoned(self):
+        b = orig(self)
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            b = dict(b)
+            b["loss_mask"] = b["loss_mask"].copy()
+            b["loss_mask"][0, 0] = np.nan
+        return b
+
+    monkeypatch.setattr(loop.PackedLoader, "__next__", poisoned)
+    with pytest.raises(loop.NonFiniteError) as e:
+        loop.train(cfg)
+    msg = str(e.value)
+    assert msg == ("non-finite gradients in 2 consecutive steps (2 to 3): train.max_skipped_steps=2 reached "
+                   "at step 3; lower optim.learning_rate (now 0.002) or raise optim.warmup_steps, check the "
+                   "training data of those steps, or raise train.max_skipped_steps=2 to skip more steps in a "
+                   "row"), msg
+
+
+@pytest.mark.parametrize("dtype, skip", [("float16", False), ("bfloat16", False), ("bfloat16", True),
+                                         ("float32", False), ("float32", True)])
+def test_nonfinite_advice_fits_the_dtype(tmp_path, dtype, skip):
+    cfg = _small(tmp_path, f"model.dtype={dtype}", f"train.skip_nonfinite={str(skip).lower()}",
+                 "train.max_skipped_steps=7")
+    advice = loop.nonfinite_advice(cfg)
+    assert "optim.learning_rate" in advice and "\n" not in advice
+    if dtype == "float16":  # loss-scaled and skipping already: the wider range is the way out
+        assert "use model.dtype=bfloat16" in advice and "skip_nonfinite" not in advice
+        return
+    assert "model.dtype" not in advice and "check the training data" in advice
+    if skip:
+        assert "raise train.max_skipped_steps=7" in advice and "skip_nonfinite" not in advice
+    else:
+        assert "set train.skip_nonfinite=true" in advice and "train.max_skipped_steps=7" in advice
 
 
 def _assert_same_training_state(a, b):
