@@ -123,6 +123,11 @@ def main() -> None:
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="--to-hf weights")
     p.add_argument("--max-shard-size", default="5GB", help="--to-hf shard size, e.g. 5GB, 500MB")
     args = p.parse_args()
+    if args.from_hf and not Path(args.from_hf).exists():
+        raise FileNotFoundError(f"--from-hf: {args.from_hf} does not exist")
+    if args.to_hf and not (Path(args.to_hf) / "checkpoints").is_dir():
+        what = "does not exist" if not Path(args.to_hf).exists() else "has no checkpoints/ directory"
+        raise FileNotFoundError(f"--to-hf: {args.to_hf} {what} (a dsjax run directory)")
     if args.from_hf:
         out = from_hf(args.from_hf, args.out, args.config or None, tuple(args.set))
         print(f"wrote dsjax run {out} (step 0) from {args.from_hf}")

@@ -505,6 +505,61 @@ def test_late_errors_come_before_the_run_dir(corpus, tmp_path):
     assert not (tmp_path / "run").exists() and tok.is_dir()
 
 
+def test_missing_inputs_name_their_field(corpus, tmp_path, monkeypatch, capsys):
+    """Every path-valued field that names something missing (or of the wrong kind): one line
+    naming the field and the path, before anything is built or written."""
+    (tmp_path / "empty" / ".hidden").mkdir(parents=True)
+    (tmp_path / "empty" / ".hidden" / "x.txt").write_text("hidden files are not data")
+    (tmp_path / "empty" / ".dotfile").write_text("nor dot files")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "not_a_run").mkdir()
+    tok = tmp_path / "tok.json"
+    tok.write_text("{}")
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text('{"messages": []}\n')
+    built = []
+    monkeypatch.setattr(loop, "build_data", lambda *a, **k: built.append(1) or pytest.fail("built data"))
+    cases = [
+        (["data.train=/nonexistent"], FileNotFoundError, "config: data.train[0]: /nonexistent does not exist"),
+        ([f"data.train=[{corpus}/*.py, {tmp_path}/nope/*.txt]"], FileNotFoundError,
+         f"config: data.train[1]: {tmp_path}/nope/*.txt: glob matches no file"),
+        ([f"data.train=[{tmp_path}/empty]"], FileNotFoundError,
+         f"config: data.train[0]: {tmp_path}/empty is a directory that holds no file"),
+        ([f"data.validation=[{corpus}/textwrap.py, /nonexistent/val.txt]"], FileNotFoundError,
+         "config: data.validation[1]: /nonexistent/val.txt does not exist"),
+        (["data.tokenizer=/nonexistent/tokenizer.json"], FileNotFoundError,
+         "config: data.tokenizer: /nonexistent/tokenizer.json does not exist"),
+        ([f"data.tokenizer={tmp_path}"], C.ConfigError, f"config: data.tokenizer: {tmp_path} is not a file"),
+        ([f"data.cache_dir={tmp_path}/a_file"], C.ConfigError,
+         f"config: data.cache_dir: {tmp_path}/a_file exists and is not a directory"),
+        (["train.init_from=/nonexistent"], FileNotFoundError, "config: train.init_from: /nonexistent does not exist"),
+        ([f"train.init_from={tmp_path}/not_a_run"], FileNotFoundError,
+         f"config: train.init_from: {tmp_path}/not_a_run is not a dsjax run directory (it has no checkpoints/ "
+         f"directory)"),
+        (["train.init_from_hf=/nonexistent/hf"], FileNotFoundError,
+         "config: train.init_from_hf: /nonexistent/hf does not exist"),
+        ([f"data.train=[{conv}]", "data.format=chat", f"data.tokenizer={tok}",
+          "data.chat_template=/nonexistent/chat.jinja"], FileNotFoundError,
+         "config: data.chat_template: /nonexistent/chat.jinja does not exist"),
+    ]
+    for extra, exc, line in cases:
+        cfg = small(corpus, tmp_path, *extra)
+        with pytest.raises(exc) as e:
+            loop.train(cfg)
+        assert str(e.value) == line, (extra, str(e.value))
+        assert not (tmp_path / "run").exists() and not built, extra
+    # through the command: the line, exit 2
+    argv = ["python -m dsjax.train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    for s in small_sets(corpus, tmp_path, "data.train=/nonexistent"):
+        argv += ["--set", s]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", train_main)
+    assert ex.value.code == 2
+    assert capsys.readouterr().err == "dsjax.train: error: config: data.train[0]: /nonexistent does not exist\n"
+    assert not (tmp_path / "run").exists()
+
+
 # --- fuzz: >= 200 generated malformed configs and overrides --------------------------------------
 
 def _bad_values(key: str, interval: str, is_int: bool) -> list[str]:
