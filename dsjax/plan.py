@@ -350,4 +350,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dsjax.cli import run_main
+
+    run_main("dsjax.plan", lambda: sys.exit(main()))  # a bad config: one line, exit status 2

@@ -319,3 +319,18 @@ def test_moe_pallas_rows_per_device_are_checked_before_the_run_dir(tmp_path):
                                             r"data.batch_size x data.seq_len >= 256"):
         loop.setup_parallel(C.load(tiny, MOE_PALLAS + ["data.batch_size=8", "data.seq_len=16", "mesh.preset=ep",
                                                        "mesh.expert=2"]))
+
+
+def test_plan_composes_config_files_and_names_a_bad_one(tmp_path):
+    """`python -m dsjax.plan` takes --config more than once too; a bad key in the second file is
+    one line naming FILE:LINE, exit status 2 (the planning child's error, passed on)."""
+    import os
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("data:\n  seq_len: 64\ntrain:\n  stepz: 3\n")
+    env = {k: v for k, v in os.environ.items() if k != "DSJAX_PLAN_CHILD"}
+    r = subprocess.run([sys.executable, "-m", "dsjax.plan", "--config", str(ROOT / "configs" / "tiny.yaml"),
+                        "--config", str(bad), "--devices", "1"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 2, r.stderr[-2000:]
+    assert r.stderr == (f"dsjax.plan: error: config: {bad}:4: unknown key 'train.stepz' "
+                        f"(did you mean 'train.steps'?)\n"), r.stderr[-2000:]
