@@ -408,7 +408,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     start, damaged = 0, {}
     if latest is not None:
         step_to, damaged = old.check_restorable(from_intact=from_intact)
-        if damaged and primary:
+        if damaged:  # every process, so that all stop here alike (the checkpoints are shared)
             check_aside(ckpt_dir, run_dir / "checkpoints-damaged", damaged)
         for s_bad, problem in sorted(damaged.items()):
             log.warning("checkpoint step %d is damaged (%s): --resume-from-intact continues from step %d",
