@@ -1,6 +1,6 @@
 """Convert between Hugging Face DeepSeek-V2/V3 directories and dsjax run directories.
 
-  python -m dsjax.convert --from-hf HF_DIR --out RUN_DIR [--config X.yaml] [--set k=v ...]
+  python -m dsjax.convert --from-hf HF_DIR --out RUN_DIR [--config X.yaml ...] [--set k=v ...]
   python -m dsjax.convert --to-hf RUN_DIR --out HF_DIR [--step N] [--dtype bfloat16|float32]
 
 `--from-hf` writes RUN_DIR/{config.yaml, tokenizer.json (when HF_DIR has one),
@@ -38,9 +38,11 @@ from dsjax.train.step import init_state, initial_loss_scale
 log = logging.getLogger("dsjax.convert")
 
 
-def from_hf(hf_dir: str | Path, out: str | Path, config: str | None = None,
+def from_hf(hf_dir: str | Path, out: str | Path, config: str | list[str] | None = None,
             overrides: tuple[str, ...] = ()) -> Path:
-    """HF directory -> dsjax run directory with a step-0 checkpoint. Returns RUN_DIR."""
+    """HF directory -> dsjax run directory with a step-0 checkpoint. Returns RUN_DIR.
+
+    config: None, a YAML file or a list of them (applied left to right, as `dsjax.config.load`)."""
     hf_dir, out = Path(hf_dir), Path(out)
     base = C.load(config, list(overrides))
     mcfg, _, params, rest = load_hf(hf_dir, base.model)
@@ -114,14 +116,21 @@ def main() -> None:
     src.add_argument("--from-hf", metavar="HF_DIR", help="HF DeepSeek-V2/V3 directory to import")
     src.add_argument("--to-hf", metavar="RUN_DIR", help="dsjax run directory to export")
     p.add_argument("--out", required=True, help="RUN_DIR (with --from-hf) or HF_DIR (with --to-hf)")
-    p.add_argument("--config", default=None, help="YAML overlay for the non-model sections (--from-hf)")
+    p.add_argument("--config", action="append", default=[], metavar="FILE",
+                   help="YAML file for the non-model sections (--from-hf); repeatable, applied left "
+                        "to right (a file's 'base:' first), --set last")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (--to-hf; default newest)")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="--to-hf weights")
     p.add_argument("--max-shard-size", default="5GB", help="--to-hf shard size, e.g. 5GB, 500MB")
     args = p.parse_args()
+    if args.from_hf and not Path(args.from_hf).exists():
+        raise FileNotFoundError(f"--from-hf: {args.from_hf} does not exist")
+    if args.to_hf and not (Path(args.to_hf) / "checkpoints").is_dir():
+        what = "does not exist" if not Path(args.to_hf).exists() else "has no checkpoints/ directory"
+        raise FileNotFoundError(f"--to-hf: {args.to_hf} {what} (a dsjax run directory)")
     if args.from_hf:
-        out = from_hf(args.from_hf, args.out, args.config, tuple(args.set))
+        out = from_hf(args.from_hf, args.out, args.config or None, tuple(args.set))
         print(f"wrote dsjax run {out} (step 0) from {args.from_hf}")
     else:
         out = to_hf(args.to_hf, args.out, args.step, args.dtype, _bytes(args.max_shard_size))

@@ -313,7 +313,8 @@ def _report(cfg, n, hbm_gb, res) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m dsjax.plan", description=__doc__.split("\n")[0])
-    ap.add_argument("--config", required=True)
+    ap.add_argument("--config", action="append", required=True, metavar="FILE",
+                    help="YAML config; repeatable, applied left to right (a file's 'base:' first)")
     ap.add_argument("--set", action="append", default=[], dest="sets", metavar="KEY=VALUE")
     ap.add_argument("--devices", type=int, required=True)
     ap.add_argument("--hbm-gb", type=float, default=80.0,
@@ -349,4 +350,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from dsjax.cli import run_main
+
+    run_main("dsjax.plan", lambda: sys.exit(main()))  # a bad config: one line, exit status 2

@@ -216,6 +216,7 @@ def validate(cfg: Config) -> None:
     _validate_lora(cfg)
     _validate_kernels(m)
     _validate_fp8(cfg)
+    check_moe_kernel_rows(cfg)
 
 
 def _validate_moment_decay(o) -> None:
@@ -287,6 +288,34 @@ def _validate_fp8(cfg: Config) -> None:
             raise ConfigError(f"config: model.fp8=blockwise with mesh.tensor={t}: model.{name} = {w} "
                               f"does not split into shards of whole 128-wide FP8 scale tiles (needs a "
                               f"multiple of 128 x {t} = {128 * t}); use mesh.tensor=1 or model.fp8=none")
+
+
+def check_moe_kernel_rows(cfg: Config, token_shards: int = 1, expert_shards: int = 1,
+                          mesh: str = "") -> None:
+    """model.moe_impl=pallas: every grouped-GEMM call gets at least the kernel's row tile of
+    routed rows (tokens x model.num_experts_per_tok), else the run would fail at its first step.
+
+    A step's MoE block routes the data.batch_size x data.seq_len tokens of one micro-batch; on a
+    mesh (`mesh`, its text for the message) each device gets 1 / `token_shards` of them (the
+    batch and sequence shards) and, with expert parallelism, the rows of the `expert_shards`
+    devices of its group. Raises ConfigError naming the fields and the fewest tokens that fit.
+    """
+    m, d = cfg.model, cfg.data
+    if m.moe_impl != "pallas" or m.num_moe_layers == 0:
+        return
+    tile = TileConfig().tile_m
+    k = m.num_experts_per_tok
+    rows = d.batch_size * d.seq_len // token_shards * expert_shards * k
+    if rows >= tile:
+        return
+    need = -(-tile // (k * expert_shards)) * token_shards
+    total = d.batch_size * d.seq_len * k
+    got = (f"= {total}, split over {token_shards} token shards (x expert={expert_shards}) of mesh {mesh}, "
+           f"give {rows} per device" if mesh else f"give {total}")
+    raise ConfigError(f"config: model.moe_impl=pallas: the grouped-GEMM kernel needs at least {tile} "
+                      f"routed rows{' per device' if mesh else ''}, and data.batch_size={d.batch_size} x "
+                      f"data.seq_len={d.seq_len} x model.num_experts_per_tok={k} {got}; use "
+                      f"data.batch_size x data.seq_len >= {need} or model.moe_impl=auto")
 
 
 def _validate_lora(cfg: Config) -> None:

@@ -1,4 +1,5 @@
-"""`python -m dsjax.train --config configs/tiny.yaml [--set key=value ...] [--resume | --resume-from-intact]`."""
+"""`python -m dsjax.train --config configs/tiny.yaml [--config more.yaml ...] [--set key=value ...]
+[--resume | --resume-from-intact]`."""
 from __future__ import annotations
 
 import argparse

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import shutil
 import signal
 import time
@@ -37,6 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from dsjax import config as C
 from dsjax.checkpoint import Checkpointer, abstract_like
+from dsjax.config.checks import check_moe_kernel_rows
+from dsjax.config.paths import check_paths
 from dsjax.data import Documents, PackedLoader, chat, expand_sources, load_or_train, split_files, stdlib_files
 from dsjax.errors import RunStopped
 from dsjax.hf import load_hf_params
@@ -104,7 +107,8 @@ def setup_parallel(cfg: C.Config, devices=None) -> Parallel:
     Raises:
       sharding.mesh.MeshError / sharding.rules.ShardingRuleError: sizes that do not fit the
         devices, or a mesh axis the preset does not use.
-      ConfigError: the global batch does not split over the batch axes or the processes.
+      ConfigError: the global batch does not split over the batch axes or the processes, or
+        model.moe_impl=pallas gets fewer routed rows per device than its kernel takes.
     """
     sdist.initialize_from_config(cfg.distributed)
     _prefix_secondary_logs()
@@ -122,6 +126,13 @@ def setup_parallel(cfg: C.Config, devices=None) -> Parallel:
     if cfg.data.batch_size % jax.process_count():
         raise C.ConfigError(f"config: data.batch_size={cfg.data.batch_size} is not divisible by "
                             f"{jax.process_count()} processes")
+    if mesh.size > 1:  # the routed experts' rows per device, as `moe_from_context` splits them
+        d = cfg.data
+        spec = par.ctx.spec(("batch", "seq", None), (d.batch_size, d.seq_len, cfg.model.hidden_size),
+                            strict=False)
+        axes = [a for e in spec[:2] if e is not None for a in ((e,) if isinstance(e, str) else e)]
+        check_moe_kernel_rows(cfg, int(np.prod([mesh.shape[a] for a in axes])),
+                              mesh.shape["expert"], str(dict(mesh.shape)))
     return par
 
 
@@ -307,6 +318,40 @@ def move_aside(step_dir: Path, aside_root: Path) -> Path:
     return dest
 
 
+def nonfinite_advice(cfg: C.Config) -> str:
+    """What to change after non-finite gradients stopped a run, for its model.dtype: fp16
+    (loss-scaled, every such step skipped) can move to bfloat16's wider range; bfloat16 and
+    float32 already have it, so the learning rate, the data or skipping are what is left."""
+    tc = cfg.train
+    if cfg.model.dtype == "float16":
+        return ("lower optim.learning_rate, or use model.dtype=bfloat16 (float32's exponent range, "
+                "no loss scaling)")
+    skip = (f"or raise train.max_skipped_steps={tc.max_skipped_steps} to skip more steps in a row"
+            if tc.skip_nonfinite else
+            f"or set train.skip_nonfinite=true to skip such steps (at most train.max_skipped_steps="
+            f"{tc.max_skipped_steps} in a row)")
+    return (f"lower optim.learning_rate (now {cfg.optim.learning_rate:g}) or raise optim.warmup_steps, "
+            f"check the training data of those steps, {skip}")
+
+
+def check_aside(ckpt_dir: Path, aside_root: Path, steps) -> None:
+    """--resume-from-intact, before anything is written: the damaged `steps` of ckpt_dir can be
+    moved into aside_root (a directory or absent, in a writable place).
+
+    Raises:
+      FileExistsError: aside_root exists and is not a directory.
+      ValueError: ckpt_dir, aside_root or (aside_root absent) its parent is not writable.
+    """
+    what = (f"the damaged checkpoint step{'s' if len(steps) > 1 else ''} "
+            f"{', '.join(str(s) for s in sorted(steps))} cannot be moved there")
+    if aside_root.exists() and not aside_root.is_dir():
+        raise FileExistsError(f"--resume-from-intact: {aside_root} exists and is not a directory: {what} "
+                              f"(move or remove it)")
+    for d in (ckpt_dir, aside_root if aside_root.exists() else aside_root.parent):
+        if not os.access(d, os.W_OK | os.X_OK):
+            raise ValueError(f"--resume-from-intact: {d} is not writable: {what}")
+
+
 def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dict:
     """Train per `cfg`; returns a summary dict: val_loss and train_loss {step: loss}, steps,
     wall_s (the whole call), first_step_s (the first step, mostly compilation), and
@@ -319,7 +364,9 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     from the newest intact one and move the damaged steps to RUN_DIR/checkpoints-damaged/.
 
     Raises:
-      FileExistsError: RUN_DIR already holds checkpoints and `resume` is False.
+      FileExistsError: RUN_DIR already holds checkpoints and `resume` is False, or (`from_intact`,
+        a damaged step) RUN_DIR/checkpoints-damaged is not a directory.
+      ValueError: (`from_intact`, a damaged step) the damaged step cannot be moved aside.
       CheckpointError: a checkpoint is damaged (without `from_intact`) or a save failed.
       NonFiniteError: non-finite gradients under bf16/fp32 without train.skip_nonfinite,
         train.max_skipped_steps consecutive skipped steps, or a non-finite validation loss.
@@ -339,6 +386,7 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     if latest is not None and not resume:
         raise FileExistsError(f"train.run_dir {run_dir} already holds checkpoints "
                               f"(step {latest}): pass --resume, or choose another run_dir")
+    check_paths(cfg, new_run=latest is None)  # each missing input named by its field
     run_tok = run_dir / "tokenizer.json"
     tok, train_loader, val_loader = build_data(cfg, run_tok if latest is not None and run_tok.is_file() else None)
 
@@ -360,6 +408,8 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     start, damaged = 0, {}
     if latest is not None:
         step_to, damaged = old.check_restorable(from_intact=from_intact)
+        if damaged:  # every process, so that all stop here alike (the checkpoints are shared)
+            check_aside(ckpt_dir, run_dir / "checkpoints-damaged", damaged)
         for s_bad, problem in sorted(damaged.items()):
             log.warning("checkpoint step %d is damaged (%s): --resume-from-intact continues from step %d",
                         s_bad, problem, step_to)
@@ -388,7 +438,13 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     if primary:
         run_dir.mkdir(parents=True, exist_ok=True)
         for s_bad in sorted(damaged):
-            aside = move_aside(ckpt_dir / str(s_bad), run_dir / "checkpoints-damaged")
+            aside_root = run_dir / "checkpoints-damaged"
+            try:
+                aside = move_aside(ckpt_dir / str(s_bad), aside_root)
+            except OSError as e:  # what check_aside cannot see (run as root, a read-only mount)
+                raise ValueError(f"--resume-from-intact: moving the damaged checkpoint step {s_bad} "
+                                 f"({ckpt_dir / str(s_bad)}) into {aside_root} failed: "
+                                 f"{e.strerror or e}") from None
             log.warning("moved damaged checkpoint step %d to %s", s_bad, aside)
         (run_dir / "config.yaml").write_text(C.dump_yaml(cfg))
         if Path(tok.path).resolve() != run_tok.resolve():
@@ -437,13 +493,14 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
                 raise NonFiniteError(
                     f"non-finite gradients in {bad} consecutive steps ({first} to {step}): "
                     f"train.max_skipped_steps={tc.max_skipped_steps} reached at step "
-                    f"{first + tc.max_skipped_steps - 1} (loss scale now {scale:.3g}); lower "
-                    f"optim.learning_rate or use model.dtype=bfloat16")
+                    f"{first + tc.max_skipped_steps - 1}"
+                    f"{f' (loss scale now {scale:.3g})' if cfg.model.dtype == 'float16' else ''}; "
+                    f"{nonfinite_advice(cfg)}")
             return
         nf = int(jax.device_get(state["nonfinite_step"]))
         if nf >= 0:
             raise NonFiniteError(f"non-finite gradients at step {nf + 1}: no update was applied from "
-                                 f"then on; set train.skip_nonfinite=true to skip such steps instead")
+                                 f"then on; {nonfinite_advice(cfg)}")
 
     summary = {"val_loss": {}, "train_loss": {}}
 

@@ -438,6 +438,25 @@ def test_convert_cli_from_hf_generate_and_back(v3, tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "error" in r.stderr
 
 
+@pytest.mark.parametrize("option, make, needle", [
+    ("--from-hf", None, "--from-hf: {p} does not exist"),
+    ("--to-hf", None, "--to-hf: {p} does not exist (a dsjax run directory)"),
+    ("--to-hf", "dir", "--to-hf: {p} has no checkpoints/ directory (a dsjax run directory)"),
+])
+def test_convert_names_the_option_of_a_missing_input(tmp_path, monkeypatch, capsys, option, make, needle):
+    from dsjax.cli import run_main
+    from dsjax.convert import main
+    src = tmp_path / "src"
+    if make == "dir":
+        src.mkdir()
+    monkeypatch.setattr(sys, "argv", ["python -m dsjax.convert", option, str(src), "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.convert", main)
+    assert ex.value.code == 2
+    assert capsys.readouterr().err == f"dsjax.convert: error: {needle.format(p=src)}\n"
+    assert not (tmp_path / "out").exists()
+
+
 def test_fp8_weight_without_its_scale_is_an_error(tmp_path):
     """An e4m3 weight whose weight_scale_inv is missing must not load as raw fp8 values."""
     import torch

@@ -192,6 +192,8 @@ def test_fp16_runaway_skipping_stops_naming_the_step(corpus, tmp_path):
         loop.train(cfg)
     msg = str(e.value)
     assert "\n" not in msg and "4 consecutive steps" in msg and "reached at step" in msg, msg
+    assert "(loss scale now " in msg and msg.endswith("; lower optim.learning_rate, or use model.dtype=bfloat16 "
+                                                      "(float32's exponent range, no loss scaling)"), msg
     recs = logged_steps(cfg.train.run_dir)
     assert recs[0]["loss_scale"] == 2.0 ** 15  # the documented initial scale, logged at step 1
     assert recs[-1]["step"] < 30 and recs[-1]["skipped"] >= 4
@@ -319,6 +321,66 @@ def test_damaged_checkpoint_named_and_fallback_only_on_request(corpus, finished_
     assert ck.latest_step() == 6 and ck.verify(4) is None and ck.verify(6) is None
 
 
+def _damage_step_4(run):
+    victim = max((p for p in (run / "checkpoints" / "4" / "state").rglob("*") if p.is_file()),
+                 key=lambda p: p.stat().st_size)
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+
+
+def test_resume_from_intact_that_cannot_move_the_step_aside_is_one_line(corpus, finished_run, tmp_path,
+                                                                        monkeypatch, capsys):
+    """checkpoints-damaged a regular file, or not writable (simulated: the tests run as root, whom
+    file modes do not stop): one line naming the path, exit 2, the run directory untouched."""
+    run = copy_run(finished_run, tmp_path)
+    _damage_step_4(run)
+    aside = run / "checkpoints-damaged"
+    aside.write_text("not a directory\n")
+    before = snapshot(run)
+    cfg = small(corpus, tmp_path, "train.steps=6", "checkpoint.every=2")
+
+    def command():
+        loop.train(cfg, from_intact=True)
+
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", command)
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and err == (
+        f"dsjax.train: error: --resume-from-intact: {aside} exists and is not a directory: the damaged "
+        f"checkpoint step 4 cannot be moved there (move or remove it)\n"), err
+    assert snapshot(run) == before and (run / "checkpoints" / "4").is_dir()
+
+    aside.unlink()
+    before = snapshot(run)
+    real_access = os.access
+    monkeypatch.setattr(loop.os, "access", lambda p, mode: Path(p) != run and real_access(p, mode))
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", command)
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and err == (
+        f"dsjax.train: error: --resume-from-intact: {run} is not writable: the damaged checkpoint step 4 "
+        f"cannot be moved there\n"), err
+    assert snapshot(run) == before and not aside.exists() and (run / "checkpoints" / "4").is_dir()
+
+
+def test_a_failed_move_aside_is_one_line(corpus, finished_run, tmp_path, monkeypatch, capsys):
+    """A move that fails although the checks passed (e.g. a read-only mount): one line, exit 2."""
+    run = copy_run(finished_run, tmp_path)
+    _damage_step_4(run)
+    before = snapshot(run)
+
+    def refuse(src, dst):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES), src)
+
+    monkeypatch.setattr(loop.shutil, "move", refuse)
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", lambda: loop.train(small(corpus, tmp_path, "train.steps=6"), from_intact=True))
+    err = capsys.readouterr().err
+    assert ex.value.code == 2 and err == (
+        f"dsjax.train: error: --resume-from-intact: moving the damaged checkpoint step 4 ({run}/checkpoints/4) "
+        f"into {run}/checkpoints-damaged failed: Permission denied\n"), err
+    assert (run / "checkpoints" / "4").is_dir() and snapshot(run) == before
+
+
 def tb_events(tb_dir):
     """Every event of every TensorBoard file in tb_dir: [(file, Event)] (TFRecord framing:
     u64 length, u32 crc, payload, u32 crc)."""
@@ -424,7 +486,8 @@ def test_duplicate_yaml_key_and_binary_config_name_the_file(tmp_path):
 def test_late_errors_come_before_the_run_dir(corpus, tmp_path):
     cases = [
         (["data.train=[/nonexistent/dsjax/*.txt]"], FileNotFoundError, "matches no file"),
-        (["data.train=[/nonexistent/dsjax/file.txt]"], FileNotFoundError, "data source not found"),
+        (["data.train=[/nonexistent/dsjax/file.txt]"], FileNotFoundError,
+         "config: data.train\\[0\\]: /nonexistent/dsjax/file.txt does not exist"),
         (["model.vocab_size=200"], C.ConfigError, "needs a vocabulary of at least 258"),
     ]
     for extra, exc, needle in cases:
@@ -440,6 +503,61 @@ def test_late_errors_come_before_the_run_dir(corpus, tmp_path):
     with pytest.raises(C.ConfigError, match="model.vocab_size=280 is smaller than the tokenizer's 300"):
         loop.train(cfg)
     assert not (tmp_path / "run").exists() and tok.is_dir()
+
+
+def test_missing_inputs_name_their_field(corpus, tmp_path, monkeypatch, capsys):
+    """Every path-valued field that names something missing (or of the wrong kind): one line
+    naming the field and the path, before anything is built or written."""
+    (tmp_path / "empty" / ".hidden").mkdir(parents=True)
+    (tmp_path / "empty" / ".hidden" / "x.txt").write_text("hidden files are not data")
+    (tmp_path / "empty" / ".dotfile").write_text("nor dot files")
+    (tmp_path / "a_file").write_text("x")
+    (tmp_path / "not_a_run").mkdir()
+    tok = tmp_path / "tok.json"
+    tok.write_text("{}")
+    conv = tmp_path / "conv.jsonl"
+    conv.write_text('{"messages": []}\n')
+    built = []
+    monkeypatch.setattr(loop, "build_data", lambda *a, **k: built.append(1) or pytest.fail("built data"))
+    cases = [
+        (["data.train=/nonexistent"], FileNotFoundError, "config: data.train[0]: /nonexistent does not exist"),
+        ([f"data.train=[{corpus}/*.py, {tmp_path}/nope/*.txt]"], FileNotFoundError,
+         f"config: data.train[1]: {tmp_path}/nope/*.txt: glob matches no file"),
+        ([f"data.train=[{tmp_path}/empty]"], FileNotFoundError,
+         f"config: data.train[0]: {tmp_path}/empty is a directory that holds no file"),
+        ([f"data.validation=[{corpus}/textwrap.py, /nonexistent/val.txt]"], FileNotFoundError,
+         "config: data.validation[1]: /nonexistent/val.txt does not exist"),
+        (["data.tokenizer=/nonexistent/tokenizer.json"], FileNotFoundError,
+         "config: data.tokenizer: /nonexistent/tokenizer.json does not exist"),
+        ([f"data.tokenizer={tmp_path}"], C.ConfigError, f"config: data.tokenizer: {tmp_path} is not a file"),
+        ([f"data.cache_dir={tmp_path}/a_file"], C.ConfigError,
+         f"config: data.cache_dir: {tmp_path}/a_file exists and is not a directory"),
+        (["train.init_from=/nonexistent"], FileNotFoundError, "config: train.init_from: /nonexistent does not exist"),
+        ([f"train.init_from={tmp_path}/not_a_run"], FileNotFoundError,
+         f"config: train.init_from: {tmp_path}/not_a_run is not a dsjax run directory (it has no checkpoints/ "
+         f"directory)"),
+        (["train.init_from_hf=/nonexistent/hf"], FileNotFoundError,
+         "config: train.init_from_hf: /nonexistent/hf does not exist"),
+        ([f"data.train=[{conv}]", "data.format=chat", f"data.tokenizer={tok}",
+          "data.chat_template=/nonexistent/chat.jinja"], FileNotFoundError,
+         "config: data.chat_template: /nonexistent/chat.jinja does not exist"),
+    ]
+    for extra, exc, line in cases:
+        cfg = small(corpus, tmp_path, *extra)
+        with pytest.raises(exc) as e:
+            loop.train(cfg)
+        assert str(e.value) == line, (extra, str(e.value))
+        assert not (tmp_path / "run").exists() and not built, extra
+    # through the command: the line, exit 2
+    argv = ["python -m dsjax.train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    for s in small_sets(corpus, tmp_path, "data.train=/nonexistent"):
+        argv += ["--set", s]
+    monkeypatch.setattr(sys, "argv", argv)
+    with pytest.raises(SystemExit) as ex:
+        run_main("dsjax.train", train_main)
+    assert ex.value.code == 2
+    assert capsys.readouterr().err == "dsjax.train: error: config: data.train[0]: /nonexistent does not exist\n"
+    assert not (tmp_path / "run").exists()
 
 
 # --- fuzz: >= 200 generated malformed configs and overrides --------------------------------------

@@ -166,8 +166,58 @@ def test_bf16_nonfinite_stops_naming_the_step(corpus, tmp_path, monkeypatch):
         return b
 
     monkeypatch.setattr(loop.PackedLoader, "__next__", poisoned)
-    with pytest.raises(loop.NonFiniteError, match="non-finite gradients at step 3"):
+    with pytest.raises(loop.NonFiniteError, match="non-finite gradients at step 3") as e:
         loop.train(cfg)
+    msg = str(e.value)  # advice for bf16: not "use model.dtype=bfloat16", nor a loss scale
+    assert msg == ("non-finite gradients at step 3: no update was applied from then on; lower "
+                   "optim.learning_rate (now 0.003) or raise optim.warmup_steps, check the training data of "
+                   "those steps, or set train.skip_nonfinite=true to skip such steps (at most "
+                   "train.max_skipped_steps=20 in a row)"), msg
+
+
+def test_bf16_skipping_that_reaches_the_limit_advises_for_bf16(corpus, tmp_path, monkeypatch):
+    # train.skip_nonfinite under bf16: every step from the 2nd on has a NaN in its loss mask, so
+    # train.max_skipped_steps = 2 is reached at step 3; the advice is that of a bf16 run
+    cfg = cfg_for(corpus, tmp_path, "train.steps=5", "model.dtype=bfloat16", "data.seq_len=32",
+                  "model.num_hidden_layers=2", "data.val_fraction=0", "train.skip_nonfinite=true",
+                  "train.max_skipped_steps=2", "optim.learning_rate=2e-3")
+    orig = loop.PackedLoader.__next__
+    calls = {"n": 0}
+
+    def poisoned(self):
+        b = orig(self)
+        calls["n"] += 1
+        if calls["n"] >= 2:
+            b = dict(b)
+            b["loss_mask"] = b["loss_mask"].copy()
+            b["loss_mask"][0, 0] = np.nan
+        return b
+
+    monkeypatch.setattr(loop.PackedLoader, "__next__", poisoned)
+    with pytest.raises(loop.NonFiniteError) as e:
+        loop.train(cfg)
+    msg = str(e.value)
+    assert msg == ("non-finite gradients in 2 consecutive steps (2 to 3): train.max_skipped_steps=2 reached "
+                   "at step 3; lower optim.learning_rate (now 0.002) or raise optim.warmup_steps, check the "
+                   "training data of those steps, or raise train.max_skipped_steps=2 to skip more steps in a "
+                   "row"), msg
+
+
+@pytest.mark.parametrize("dtype, skip", [("float16", False), ("bfloat16", False), ("bfloat16", True),
+                                         ("float32", False), ("float32", True)])
+def test_nonfinite_advice_fits_the_dtype(tmp_path, dtype, skip):
+    cfg = _small(tmp_path, f"model.dtype={dtype}", f"train.skip_nonfinite={str(skip).lower()}",
+                 "train.max_skipped_steps=7")
+    advice = loop.nonfinite_advice(cfg)
+    assert "optim.learning_rate" in advice and "\n" not in advice
+    if dtype == "float16":  # loss-scaled and skipping already: the wider range is the way out
+        assert "use model.dtype=bfloat16" in advice and "skip_nonfinite" not in advice
+        return
+    assert "model.dtype" not in advice and "check the training data" in advice
+    if skip:
+        assert "raise train.max_skipped_steps=7" in advice and "skip_nonfinite" not in advice
+    else:
+        assert "set train.skip_nonfinite=true" in advice and "train.max_skipped_steps=7" in advice
 
 
 def _assert_same_training_state(a, b):
@@ -381,6 +431,36 @@ def test_cli_log_lines_have_one_format():
     assert r.returncode == 0, r.stderr[-2000:]
     assert re.search(r"^\d\d:\d\d:\d\d dsjax\.train: resumed from step 7$", r.stderr, re.M), r.stderr
     assert "INFO:dsjax" not in r.stderr
+
+
+def test_pallas_attention_in_interpret_mode_trains_without_pjrt_nproc(corpus, tmp_path):
+    """`python -m dsjax.train` with model.attention_impl=pallas on one CPU device (the kernel in
+    GPU interpret mode) and no PJRT_NPROC in the environment: with XLA's default pool of one
+    thread per core (2 on the test machine) the jitted step deadlocked at 0 % CPU after the run
+    directory was written; the command now sizes the pool before jax starts and the run ends."""
+    import os
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k not in ("PJRT_NPROC", "NPROC")}
+    env["XLA_FLAGS"] = " ".join(f for f in env.get("XLA_FLAGS", "").split()
+                                if not f.startswith("--xla_force_host_platform_device_count"))
+    env["JAX_PLATFORMS"] = "cpu"
+    run = tmp_path / "run"
+    sets = ["model.attention_impl=pallas", "model.dtype=bfloat16", "model.qk_nope_head_dim=48",
+            "model.qk_rope_head_dim=16", "model.v_head_dim=64", "model.hidden_size=64",
+            "model.intermediate_size=64", "model.moe_intermediate_size=32", "model.num_hidden_layers=2",
+            "model.vocab_size=300", "model.q_lora_rank=16", "model.kv_lora_rank=16", "data.seq_len=128",
+            "data.batch_size=1", f"data.train=[{corpus}/*.py]", "data.val_fraction=0",
+            f"data.cache_dir={tmp_path}/cache", "train.steps=2", f"train.run_dir={run}", "train.progress=false",
+            "train.tensorboard=false", "train.log_every=1", "checkpoint.every=1000"]
+    argv = [sys.executable, "-m", "dsjax.train", "--config", str(ROOT / "configs" / "tiny.yaml")]
+    for s in sets:
+        argv += ["--set", s]
+    r = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=400)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert 'summary {"steps": 2' in r.stdout, r.stdout[-2000:]
+    assert "can deadlock" not in r.stderr  # the kernels' warning about a small pool did not fire
+    losses, _ = read_metrics(run)
+    assert sorted(losses) == [1, 2] and all(np.isfinite(v) for v in losses.values())
 
 
 @pytest.mark.parametrize("extra", [[], ["model.moe_recompute=true"], ["model.dtype=float16"]])
