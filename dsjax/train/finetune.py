@@ -8,6 +8,9 @@ routing reads it in fp32. What trains (`dsjax.config.LoraConfig`):
   lora.rank = 0   every base weight
 and in both cases nothing that lora.freeze matches. `join(state["params"], state["frozen"])`
 is the model's full parameter tree.
+Under `model.fp8=blockwise` the frozen weights of the FP8 GEMMs (`fp8_frozen_paths`) may be
+`pallas_kernels.fp8.frozen.Fp8Weight`s (E4M3 values + 128 x 128 scales, as DeepSeek-V3's
+checkpoint ships, loaded by `dsjax.hf.load_hf_params(fp8_keep=...)`): kept as they are, not cast.
 
 Gradient norms per module group (`grad_group_norms`) and the token counts of a step
 (`token_counts`) are computed inside the jitted step from values it already has.
@@ -21,6 +24,8 @@ from flax import nnx
 from dsjax.config import Config
 from dsjax.model import DeepSeekModel, ModelFns
 from dsjax.model.layers import dtype_of
+from dsjax.model.moe import EXPERT_PROJS
+from pallas_kernels.fp8.frozen import Fp8Weight
 from dsjax.model.lora import (attach_adapters, is_adapter_path, join, match_patterns, path_names,
                               split_adapters, trained_base_paths)
 
@@ -68,6 +73,21 @@ def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
     return match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
 
 
+def fp8_frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
+    """Paths of the frozen leaves that the FP8 GEMMs use as their weight operand, i.e. those
+    that may stay FP8 when the checkpoint stores them so: under `model.fp8=blockwise`, the
+    frozen kernels of the FP8 linears (every `Linear` but the lm_head) and the routed experts'
+    gate/up/down stacks. Empty under model.fp8=none. Raises ValueError as `frozen_paths`."""
+    if cfg.model.fp8 != "blockwise":
+        return set()
+
+    def fp8_gemm(p):
+        if p[0] == "lm_head":
+            return False
+        return p[-1] == "kernel" or (len(p) > 1 and p[-2] == "mlp" and p[-1] in EXPERT_PROJS)
+    return {p for p in frozen_paths(cfg, params) if fp8_gemm(p)}
+
+
 def _select(tree: dict, paths: set, keep: bool, prefix=()) -> dict:
     out = {}
     for k, v in tree.items():
@@ -83,17 +103,19 @@ def _select(tree: dict, paths: set, keep: bool, prefix=()) -> dict:
 
 def partition(cfg: Config, params: dict, cast: bool = True) -> tuple[dict, dict]:
     """Full params -> (trainable, frozen) pure dicts. `cast`: frozen float leaves to the compute
-    dtype (except FP32_FROZEN); False keeps them as they are (logical specs, shardings)."""
+    dtype (except FP32_FROZEN and `Fp8Weight`s); False keeps them as they are (logical specs,
+    shardings)."""
     paths = frozen_paths(cfg, params)
     train, frozen = _select(params, paths, False), _select(params, paths, True)
     if cast and frozen:
         dt = dtype_of(cfg.model.dtype)
 
         def c(path, x):
-            if path_names(path)[-1] in FP32_FROZEN or not jnp.issubdtype(x.dtype, jnp.floating):
+            if (isinstance(x, Fp8Weight) or path_names(path)[-1] in FP32_FROZEN
+                    or not jnp.issubdtype(x.dtype, jnp.floating)):
                 return x
             return x.astype(dt) if isinstance(x, jax.Array) else jax.ShapeDtypeStruct(x.shape, dt)
-        frozen = jax.tree_util.tree_map_with_path(c, frozen)
+        frozen = jax.tree_util.tree_map_with_path(c, frozen, is_leaf=lambda x: isinstance(x, Fp8Weight))
     return train, frozen
 
 
