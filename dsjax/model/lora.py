@@ -294,7 +294,8 @@ def match_patterns(params: dict, patterns, where: str) -> set[tuple[str, ...]]:
     """Paths of the base leaves of `params` that one of `patterns` names: a path component equal
     to the pattern, or an fnmatch of the dotted path. Raises ValueError naming the first pattern
     (and `where`, e.g. 'lora.freeze') that matches no leaf."""
-    leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]]  # a frozen FP8 weight is one leaf
     leaves = [p for p in leaves if not is_adapter_path(p) and "lora" not in p]
     hit = set()
     for i, pat in enumerate(patterns):
