@@ -278,9 +278,9 @@ def test_export_fp8_writes_stored_weights_and_round_trips(ckpt, tmp_path):
     _, deq, _ = _load(fcfg, out2, keep_fp8=False)
     _, kept, _ = _load(_cfg(*LORA), out2)
     for e in M.entries(fcfg.model, p0, r0):
-        w = np.asarray(M.get_path(p0, e.path)[e.index] if e.index else M.get_path(p0, e.path))
         if not fp8_quantized(e.hf):
             continue
+        w = np.asarray(M.get_path(p0, e.path)[e.index] if e.index else M.get_path(p0, e.path))
         q, s = (np.asarray(a) for a in ref.quantize_blocks_128x128(jnp.asarray(w.T)))
         np.testing.assert_array_equal(ck2.read(e.hf).view(np.uint8), q.view(np.uint8), err_msg=e.hf)
         wq = np.asarray(ref.dequantize_blocks_128x128(jnp.asarray(q), jnp.asarray(s)))
