@@ -114,9 +114,10 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
       template's sharding, the scales following it, `sharding.rules.fp8_scale_spec`).
     Raises:
       CheckpointError: missing, unexpected or mis-shaped tensors (counts and first names), a
-        weight_scale_inv off its weight's block grid, or an unreadable file. MTP layers (`model.layers.{num_hidden_layers + k}.*`) are ignored with a
-        log note when MTP is not configured; when MTP is configured but the checkpoint has no MTP
-        tensors at all, the MTP parameters keep their values from the templates (a warning).
+        weight_scale_inv off its weight's block grid, or an unreadable file. MTP layers
+        (`model.layers.{num_hidden_layers + k}.*`) are ignored with a log note when MTP is not
+        configured; when MTP is configured but the checkpoint has no MTP tensors at all, the MTP
+        parameters keep their values from the templates (a warning).
     """
     ck = SafetensorsCheckpoint(path)
     if hf_config is None:
