@@ -33,7 +33,7 @@ import transformers  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 # configs/tiny.yaml is 128 wide: q_lora 64, kv_a 32 + 16 = 48, heads 4 x 48 = 192, experts 96,
 # MLP 384: full blocks, partial edge blocks and single partial blocks
-BASE = ["model.num_hidden_layers=2", "model.vocab_size=256", "model.attention_impl=reference",
+BASE = ["model.num_hidden_layers=2", "model.vocab_size=320", "model.attention_impl=reference",
         "model.moe_impl=reference", "model.initializer_range=0.05", "data.seq_len=32", "data.batch_size=4",
         "optim.warmup_steps=0", "optim.learning_rate=1e-2", "train.steps=4"]
 LORA = ["model.fp8=blockwise", "lora.rank=8", "lora.alpha=16", "lora.target_modules=[all-linear]"]
@@ -230,6 +230,38 @@ def test_lora_steps_with_frozen_fp8_weights(ckpt, tmp_path, mesh):
             for x, y in zip(jax.tree.leaves(a[p]), jax.tree.leaves(b[p])):
                 assert x.dtype == y.dtype
                 np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+
+
+def test_train_init_from_hf_keeps_fp8_and_resumes_without_the_checkpoint(ckpt, tmp_path):
+    """`train.init_from_hf` of the FP8 checkpoint in a LoRA run: 2 steps, then --resume to 3
+    with the HF directory gone (the run's own checkpoint holds the frozen FP8 weights)."""
+    import shutil
+    from dsjax.data import stdlib_files
+    d, want = ckpt
+    hf = tmp_path / "hf"
+    shutil.copytree(d, hf)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    for f in stdlib_files():
+        if f.name in {"textwrap.py", "bisect.py", "heapq.py"}:
+            shutil.copy(f, corpus / f.name)
+    sets = [f"data.train=[{corpus}/*.py]", "data.validation=[]", "data.val_fraction=0",
+            f"data.cache_dir={tmp_path}/cache", f"train.run_dir={tmp_path}/run", "train.progress=false",
+            "train.tensorboard=false", "train.log_every=1", "train.eval_every=1000", "checkpoint.every=2",
+            f"train.init_from_hf={hf}", "mesh.fsdp=1", "mesh.devices=1"]
+    loop.train(_cfg(*LORA, *sets, "train.steps=2"))
+    shutil.rmtree(hf)
+    loop.train(_cfg(*LORA, *sets, "train.steps=3"), resume=True)
+    recs = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in recs if "loss" in r]
+    assert len(losses) == 3 and np.all(np.isfinite(losses))
+    cfg, params, _, step = runs.restore_run(tmp_path / "run")
+    assert step == 3
+    w = params["moe_layers"]["mlp"]["down_proj"]
+    assert isinstance(w, Fp8Weight)
+    q, s = want["model.layers.1.mlp.experts.1.down_proj.weight"]
+    np.testing.assert_array_equal(np.asarray(w.q[0, 1]).T.view(np.uint8), q.view(np.uint8))
+    np.testing.assert_array_equal(np.asarray(w.s[0, 1]).T, s)
 
 
 # ------------------------------------------------------------------------------------------------
