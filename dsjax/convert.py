@@ -1,7 +1,7 @@
 """Convert between Hugging Face DeepSeek-V2/V3 directories and dsjax run directories.
 
   python -m dsjax.convert --from-hf HF_DIR --out RUN_DIR [--config X.yaml ...] [--set k=v ...]
-  python -m dsjax.convert --to-hf RUN_DIR --out HF_DIR [--step N] [--dtype bfloat16|float32]
+  python -m dsjax.convert --to-hf RUN_DIR --out HF_DIR [--step N] [--dtype bfloat16|float32|fp8]
 
 `--from-hf` writes RUN_DIR/{config.yaml, tokenizer.json (when HF_DIR has one),
 checkpoints/0/{state,data,config}}: the model section comes from HF_DIR/config.json, the other
@@ -15,6 +15,9 @@ from_pretrained`; config.json and generation_config.json carry the tokenizer's E
 as `dsjax.generate` picks them, so HF `generate` stops where dsjax's does. A LoRA run is written
 with its adapters merged into the weights, and its adapters alone in HF_DIR/adapter/ (PEFT format,
 `dsjax.hf.adapters`: `PeftModel.from_pretrained` on the base model gives the merged model).
+`--dtype fp8` writes DeepSeek-V3's FP8 layout (`dsjax.hf.export`): the decoder's linear weights
+float8_e4m3fn [out, in] + float32 `weight_scale_inv` per 128 x 128 block, `quantization_config`
+in config.json, everything else bfloat16 (router float32); the PEFT adapter, if any, in bfloat16.
 """
 from __future__ import annotations
 
@@ -94,7 +97,8 @@ def to_hf(run_dir: str | Path, out: str | Path, step: int | None = None, dtype: 
     save_hf(out, cfg.model, merged, rest, dtype=dtype, tokenizer=tok if tok.is_file() else None,
             tokenizer_config=tok_cfg if tok_cfg.is_file() else None, max_shard_bytes=max_shard_bytes)
     if cfg.lora.rank > 0:
-        save_adapters(Path(out) / "adapter", cfg.model, cfg.lora, params, rest, dtype=dtype)
+        save_adapters(Path(out) / "adapter", cfg.model, cfg.lora, params, rest,
+                      dtype="bfloat16" if dtype == "fp8" else dtype)
         log.info("convert: adapters of %s step %d merged into %s and saved alone in %s/adapter",
                  run_dir, step, out, out)
     log.info("convert: wrote %s from %s step %d", out, run_dir, step)
@@ -121,7 +125,8 @@ def main() -> None:
                         "to right (a file's 'base:' first), --set last")
     p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="config override")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (--to-hf; default newest)")
-    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="--to-hf weights")
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32", "fp8"),
+                   help="--to-hf weights; fp8: DeepSeek-V3's FP8 layout (e4m3 + weight_scale_inv per 128x128 block)")
     p.add_argument("--max-shard-size", default="5GB", help="--to-hf shard size, e.g. 5GB, 500MB")
     args = p.parse_args()
     if args.from_hf and not Path(args.from_hf).exists():

@@ -19,6 +19,9 @@ whose size divides (fsdp alone if the pair does not divide). Gradients and Adam 
 (`optimizer_shardings`), so all three are 1/fsdp per device, and XLA all-gathers each layer's
 weights inside the scan (ZeRO stage 3, Rajbhandari et al. 2020, arXiv 1910.02054 sec. 5).
 A parameter no dimension of which divides stays replicated and is listed by `replicated_params`.
+A frozen FP8 weight (`pallas_kernels.fp8.frozen.Fp8Weight`: E4M3 values q and 128 x 128 block
+scales s) takes its weight's spec for q; s keeps q's mesh axes on each dimension whose size
+(1/128 of q's) they divide and is replicated on the others (`fp8_scale_spec`).
 """
 from __future__ import annotations
 
@@ -31,6 +34,8 @@ from typing import Any, Mapping, Sequence
 import jax
 import optax
 from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_kernels.fp8.frozen import Fp8Weight
 
 BATCH_AXES = ("data", "fsdp", "expert")
 ZERO3_AXES = ("fsdp", "expert")  # axes ZeRO-3 shards parameters over (those an array leaves free)  # mesh axes that split the batch (expert ranks are DP outside MoE)
@@ -164,12 +169,29 @@ def _path_name(path) -> str:
     return "/".join(str(getattr(p, "key", getattr(p, "name", getattr(p, "idx", p)))) for p in path)
 
 
+def fp8_scale_spec(q_spec: P, s_shape: Sequence[int], mesh) -> P:
+    """Spec of the block scales s [..., Kb, Nb] of an FP8 weight whose values have `q_spec`: each
+    dimension keeps q's mesh axes where their product divides its size, else is replicated."""
+    shape_m = dict(mesh.shape)
+    out = []
+    for i, n in enumerate(s_shape):
+        ax = q_spec[i] if i < len(q_spec) else None
+        axes = () if ax is None else (ax if isinstance(ax, tuple) else (ax,))
+        out.append(ax if axes and n % math.prod(shape_m[a] for a in axes) == 0 else None)
+    return P(*out)
+
+
 def tree_shardings(logical_tree, shapes_tree, mesh, rules: Rules, *, param: bool = True):
     """NamedShardings for a tree of logical PartitionSpecs (e.g. `nnx.get_partition_spec` of the
-    split state, as a pure dict) and a matching tree of arrays / ShapeDtypeStructs."""
+    split state, as a pure dict) and a matching tree of arrays / ShapeDtypeStructs. Where the
+    shapes tree holds an `Fp8Weight` (of arrays or specs) the result holds an `Fp8Weight` of the
+    two shardings (values as the weight, scales by `fp8_scale_spec`)."""
     def one(path, spec, x):
         spec = tuple(spec) + (None,) * (len(x.shape) - len(spec))
-        return NamedSharding(mesh, rules.spec(spec, x.shape, mesh, param=param, where=_path_name(path)))
+        q = rules.spec(spec, x.shape, mesh, param=param, where=_path_name(path))
+        if isinstance(x, Fp8Weight):
+            return Fp8Weight(NamedSharding(mesh, q), NamedSharding(mesh, fp8_scale_spec(q, x.s.shape, mesh)))
+        return NamedSharding(mesh, q)
     return jax.tree_util.tree_map_with_path(one, logical_tree, shapes_tree, is_leaf=_is_spec)
 
 

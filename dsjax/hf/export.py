@@ -6,6 +6,15 @@ given, with its special-token ids (`special_token_ids`) in config.json and in
 generation_config.json, so transformers' `generate` stops where `dsjax.generate` stops. Linear weights, norms and embeddings in `dtype` (bfloat16 or float32); the router
 `mlp.gate.weight` and `e_score_correction_bias` always float32 (transformers keeps them in fp32,
 `_keep_in_fp32_modules_strict`). Streams one tensor at a time from the (device) arrays.
+
+dtype "fp8" writes DeepSeek-V3's own FP8 layout: the linear weights of the decoder layers
+(`fp8_quantized`: attention projections, dense / shared / routed expert MLPs, the MTP eh_proj)
+as float8_e4m3fn [out, in] with a float32 `<name>_scale_inv` [ceil(out/128), ceil(in/128)]
+(the dequantisation multiplier per 128 x 128 block, `pallas_kernels.fp8.reference.
+quantize_blocks_128x128`); embeddings, norms and the lm_head in bfloat16, the router in float32;
+config.json gets `quantization_config` {quant_method: fp8, fmt: e4m3, activation_scheme: dynamic,
+weight_block_size: [128, 128]}. A weight held as a frozen `Fp8Weight` is written as stored (no
+second rounding); any other is quantised from its own values.
 """
 from __future__ import annotations
 
@@ -22,10 +31,27 @@ from dsjax.config import ModelConfig
 from dsjax.data import tokenizer as tk
 from dsjax.hf import mapping as M
 from dsjax.hf.config import model_config_to_hf
-from dsjax.hf.safetensors_io import write_sharded
+from dsjax.hf.safetensors_io import SCALE_SUFFIX, write_sharded
+from pallas_kernels.fp8 import reference as fp8_ref
+from pallas_kernels.fp8.frozen import Fp8Weight, scale_grid
 
 NP_DTYPES = {"bfloat16": np.dtype(ml_dtypes.bfloat16), "float32": np.dtype(np.float32)}
+DTYPES = tuple(NP_DTYPES) + ("fp8",)
 FP32_KEYS = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+QUANTIZATION_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                       "weight_block_size": [128, 128]}
+
+
+def fp8_quantized(hf_key: str) -> bool:
+    """Whether DeepSeek-V3's FP8 checkpoint stores this HF tensor in FP8: the `*_proj` linear
+    weights of the decoder (and MTP) layers; not embeddings, norms, lm_head, router gate or its
+    `e_score_correction_bias`."""
+    return hf_key.startswith("model.layers.") and hf_key.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+
+
+def _block_slice(leaf, index: tuple):
+    return leaf[index] if index else leaf
 
 
 def special_token_ids(tokenizer: str | Path, tokenizer_config: str | Path | None = None
@@ -66,7 +92,9 @@ def save_hf(out_dir: str | Path, model_cfg: ModelConfig, params: dict, rest: dic
             tokenizer_config: str | Path | None = None, max_shard_bytes: int = 5 * 2**30) -> Path:
     """Write an HF DeepSeek directory for (params, rest); returns its path.
 
-    params/rest: pure dicts of jax or numpy arrays with the layout of `DeepSeekModel`.
+    params/rest: pure dicts of jax or numpy arrays with the layout of `DeepSeekModel` (a leaf
+      may be a frozen `Fp8Weight`).
+    dtype: "bfloat16" | "float32" | "fp8" (DeepSeek-V3's FP8 layout, module docstring).
     tokenizer: a `tokenizer.json` to copy; its special-token ids (`special_token_ids`) go into
       config.json and generation_config.json. Without one, those ids are written as null (no
       guess: transformers' defaults name tokens of DeepSeek's own vocabulary).
@@ -75,9 +103,13 @@ def save_hf(out_dir: str | Path, model_cfg: ModelConfig, params: dict, rest: dic
     Raises HFConfigError if transformers cannot express the configuration, ValueError when the
     tokenizer has no EOS or the tokenizer config names a token the tokenizer lacks.
     """
-    if dtype not in NP_DTYPES:
-        raise ValueError(f"export: dtype must be one of {', '.join(NP_DTYPES)}, got {dtype!r}")
+    if dtype not in DTYPES:
+        raise ValueError(f"export: dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    fp8 = dtype == "fp8"
+    dtype = "bfloat16" if fp8 else dtype  # of the tensors FP8 leaves as they are
     hf_cfg = model_config_to_hf(model_cfg, dtype)
+    if fp8:
+        hf_cfg["quantization_config"] = dict(QUANTIZATION_CONFIG)
     if tokenizer is not None and not Path(tokenizer).is_file():
         tokenizer = None
     ids = (special_token_ids(tokenizer, tokenizer_config) if tokenizer is not None else
@@ -95,12 +127,37 @@ def save_hf(out_dir: str | Path, model_cfg: ModelConfig, params: dict, rest: dic
     specs = []
     for e in table:
         leaf = M.get_path(trees[e.tree], e.path)
-        specs.append((e.hf, np_dtype(e), M.hf_shape(e, tuple(leaf.shape))))
+        shape = M.hf_shape(e, tuple(leaf.shape))
+        if fp8 and fp8_quantized(e.hf):
+            specs += [(e.hf, FP8, shape), (e.hf + SCALE_SUFFIX, np.dtype(np.float32), scale_grid(shape))]
+        else:
+            specs.append((e.hf, np_dtype(e), shape))
+    quantized: dict[str, tuple[np.ndarray, np.ndarray]] = {}  # a weight's (q, s) until both are written
 
-    def produce(name: str) -> np.ndarray:
+    def fp8_pair(name: str) -> tuple[np.ndarray, np.ndarray]:
+        """(q [out, in] e4m3, scale_inv [ceil(out/128), ceil(in/128)] fp32) of HF weight `name`."""
         e = by_key[name]
         leaf = M.get_path(trees[e.tree], e.path)
-        x = np.asarray(leaf[e.index] if e.index else leaf)
+        if isinstance(leaf, Fp8Weight):  # as stored: values and scales transposed, no rounding
+            q, sc = np.asarray(_block_slice(leaf.q, e.index)), np.asarray(_block_slice(leaf.s, e.index))
+        else:
+            q, sc = fp8_ref.quantize_blocks_128x128(np.asarray(_block_slice(leaf, e.index), np.float32))
+            q, sc = np.asarray(q), np.asarray(sc)
+        return np.ascontiguousarray(q.T), np.ascontiguousarray(sc.T.astype(np.float32))
+
+    def produce(name: str) -> np.ndarray:
+        if fp8 and name.endswith(SCALE_SUFFIX) and fp8_quantized(name[:-len(SCALE_SUFFIX)]):
+            return quantized.pop(name[:-len(SCALE_SUFFIX)])[1]
+        if fp8 and fp8_quantized(name):
+            quantized[name] = fp8_pair(name)
+            return quantized[name][0]
+        e = by_key[name]
+        leaf = M.get_path(trees[e.tree], e.path)
+        if isinstance(leaf, Fp8Weight):
+            leaf = Fp8Weight(_block_slice(leaf.q, e.index), _block_slice(leaf.s, e.index)).dequantize()
+            x = np.asarray(leaf)
+        else:
+            x = np.asarray(leaf[e.index] if e.index else leaf)
         x = x.T if e.op == M.T else x
         return np.ascontiguousarray(x.astype(np.float32).astype(np_dtype(e)))
 

@@ -5,6 +5,12 @@ Each of our leaves is one host buffer in its target dtype (64-byte aligned, so o
 blocks dequantised, transposed per the table (`dsjax.hf.mapping`) and written into its slice of
 that buffer, then dropped. Peak host memory: one copy of the model in the target dtype plus the
 largest single HF tensor (in float32 when dequantising FP8).
+
+FP8 kept as it ships: the leaves named in `fp8_keep` (frozen weights of a run under
+`model.fp8=blockwise`) whose every HF tensor is float8_e4m3fn with a `weight_scale_inv` on
+128 x 128 blocks are not dequantised: they load as `pallas_kernels.fp8.frozen.Fp8Weight`
+(q [..., in, out] = W.T, s [..., ceil(in/128), ceil(out/128)] = weight_scale_inv.T), the
+weight operand of the FP8 GEMMs as stored.
 """
 from __future__ import annotations
 
@@ -16,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import jax
+import ml_dtypes
 import numpy as np
 
 from dsjax.config import ModelConfig
@@ -23,6 +30,8 @@ from dsjax.hf import mapping as M
 from dsjax.hf.config import model_config_from_hf
 from dsjax.hf.safetensors_io import SCALE_SUFFIX, CheckpointError, SafetensorsCheckpoint
 from dsjax.model import abstract_model
+from pallas_kernels.fp8.frozen import Fp8Weight, scale_grid
+from sharding.rules import fp8_scale_spec
 
 log = logging.getLogger("dsjax.hf")
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
@@ -69,8 +78,26 @@ def _problems(kind: str, names: list[str]) -> str:
     return f"{len(names)} {kind}: {shown}{more}"
 
 
+def _fp8_leaves(ck: SafetensorsCheckpoint, table: list, keep, block: tuple[int, int], path) -> set:
+    """The (tree, path) of the leaves in `keep` that load as `Fp8Weight`: every HF tensor filling
+    the leaf is in the checkpoint, FP8 with its scale, on 128 x 128 blocks."""
+    if not keep:
+        return set()
+    by_leaf: dict = {}
+    for e in table:
+        if e.tree == "params" and e.path in keep:
+            by_leaf.setdefault(e.path, []).append(e.hf)
+    out = {("params", p) for p, names in by_leaf.items()
+           if all(k in ck and ck.is_quantized(k) and ck.dtype(k) == "F8_E4M3" for k in names)}
+    if out and block != (128, 128):
+        log.warning("hf: %s has FP8 weights on %dx%d blocks; the FP8 GEMMs use 128x128, so they are "
+                    "dequantised", path, *block)
+        return set()
+    return out
+
+
 def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest: dict,
-                   *, hf_config: dict | None = None) -> tuple[dict, dict]:
+                   *, hf_config: dict | None = None, fp8_keep=None) -> tuple[dict, dict]:
     """Fill our (params, rest) pure dicts from the HF checkpoint at `path`.
 
     Args:
@@ -79,13 +106,18 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
       params, rest: pure dicts of jax arrays or ShapeDtypeStructs; only their shapes, dtypes and
         shardings are used (values are replaced), so abstract trees avoid a random init.
       hf_config: parsed config.json (read from `path` when None and present), for FP8 block size.
+      fp8_keep: paths (tuples of names) of `params` leaves to keep in FP8 where the checkpoint
+        stores them so (module docstring); None: dequantise every FP8 tensor.
     Returns:
-      (params, rest) with every leaf a jax.Array of the template's dtype and sharding.
+      (params, rest) with every leaf a jax.Array of the template's dtype and sharding, or, for
+      the leaves kept in FP8, an `Fp8Weight` of the template's shape (the values in the
+      template's sharding, the scales following it, `sharding.rules.fp8_scale_spec`).
     Raises:
-      CheckpointError: missing, unexpected or mis-shaped tensors (counts and first names), or an
-        unreadable file. MTP layers (`model.layers.{num_hidden_layers + k}.*`) are ignored with a
-        log note when MTP is not configured; when MTP is configured but the checkpoint has no MTP
-        tensors at all, the MTP parameters keep their values from the templates (a warning).
+      CheckpointError: missing, unexpected or mis-shaped tensors (counts and first names), a
+        weight_scale_inv off its weight's block grid, or an unreadable file. MTP layers
+        (`model.layers.{num_hidden_layers + k}.*`) are ignored with a log note when MTP is not
+        configured; when MTP is configured but the checkpoint has no MTP tensors at all, the MTP
+        parameters keep their values from the templates (a warning).
     """
     ck = SafetensorsCheckpoint(path)
     if hf_config is None:
@@ -119,13 +151,18 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
         for suffix, ours in M.FUSED:
             fused[f"model.layers.{n}.{suffix}"] = [(loc[0] + tuple(o.split(".")), loc[1]) for o in ours]
 
-    bufs: dict[tuple[str, tuple[str, ...]], np.ndarray] = {}
+    fp8 = _fp8_leaves(ck, table, set(fp8_keep or ()), block, path)
+    bufs: dict[tuple[str, tuple[str, ...]], np.ndarray | tuple[np.ndarray, np.ndarray]] = {}
 
-    def buf(tree: str, path: tuple[str, ...]) -> np.ndarray:
+    def buf(tree: str, path: tuple[str, ...]):
         key = (tree, path)
         if key not in bufs:
             shape, dt, _ = _leaf_info(M.get_path(trees[tree], path))
-            bufs[key] = _aligned_empty(shape, dt)
+            if key in fp8:  # (values, scales)
+                bufs[key] = (_aligned_empty(shape, np.dtype(ml_dtypes.float8_e4m3fn)),
+                             _aligned_empty(scale_grid(shape), np.float32))
+            else:
+                bufs[key] = _aligned_empty(shape, dt)
         return bufs[key]
 
     done: set[str] = set()
@@ -148,6 +185,16 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
             want = M.hf_shape(e, tuple(leaf.shape))
             if ck.shape(k) != want:
                 misshaped.append(f"{k} {list(ck.shape(k))} (expected {list(want)})")
+                continue
+            if (e.tree, e.path) in fp8:
+                q, sc = ck.read(k), ck.read(k + SCALE_SUFFIX)
+                if sc.shape != scale_grid(q.shape):
+                    raise CheckpointError(f"{k}{SCALE_SUFFIX}: shape {list(sc.shape)} does not match weight "
+                                          f"{list(q.shape)} with 128x128 blocks (expected "
+                                          f"{list(scale_grid(q.shape))})")
+                qb, sb = buf(e.tree, e.path)
+                qb[e.index], sb[e.index] = q.T, sc.T
+                done.add(k)
                 continue
             x = ck.read_dequant(k, block)
             b = buf(e.tree, e.path)
@@ -206,6 +253,9 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
                 out[name] = v
                 continue
             _, _, sharding = _leaf_info(v)
+            if isinstance(b, tuple):
+                out[name] = _place_fp8(*b, sharding)
+                continue
             if sharding is not None:
                 out[name] = jax.device_put(b, sharding, may_alias=True)
             else:
@@ -214,6 +264,16 @@ def load_hf_params(path: str | Path, model_cfg: ModelConfig, params: dict, rest:
         return out
 
     return finish("params", params), finish("rest", rest)
+
+
+def _place_fp8(q: np.ndarray, s: np.ndarray, sharding) -> Fp8Weight:
+    """Host (values, scales) -> device `Fp8Weight`, the values in the weight's `sharding`."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        s_sh = jax.sharding.NamedSharding(sharding.mesh, fp8_scale_spec(sharding.spec, s.shape, sharding.mesh))
+        return Fp8Weight(jax.device_put(q, sharding, may_alias=True), jax.device_put(s, s_sh, may_alias=True))
+    if sharding is not None and len(sharding.device_set) == 1:
+        return Fp8Weight(jax.device_put(q, sharding, may_alias=True), jax.device_put(s, sharding, may_alias=True))
+    return Fp8Weight(jax.device_put(q, may_alias=True), jax.device_put(s, may_alias=True))
 
 
 def checkpoint_mtp_layers(path: str | Path, num_hidden_layers: int) -> int:

@@ -22,6 +22,7 @@ from dsjax.config import ModelConfig
 from dsjax.model.rope import apply_rope
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.fp8 import fp8_linear
+from pallas_kernels.fp8.frozen import Fp8Weight, fp8_linear_frozen
 from pallas_kernels.moe import swiglu
 from sharding import rules as shr
 from sharding.ring_attention import context_attention, local_attention
@@ -39,7 +40,9 @@ class Linear(nnx.Module):
     Under `model.fp8=blockwise` the product (forward, dgrad and wgrad) is
     `pallas_kernels.fp8.fp8_linear` of the kernel itself (E4M3, 1 x 128 / 128 x 128 scales), the
     output in the compute dtype; fp8=False keeps a layer out of it (the lm_head). The bias and
-    a LoRA adapter stay in the compute dtype."""
+    a LoRA adapter stay in the compute dtype. A kernel that is a frozen `Fp8Weight` (E4M3 values
+    and 128 x 128 scales, e.g. DeepSeek-V3's checkpoint loaded as it ships) is used as stored:
+    `pallas_kernels.fp8.frozen.fp8_linear_frozen` (forward and dgrad, no wgrad)."""
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, *, rngs: nnx.Rngs,
                  bias: bool = False, fp8: bool = True):
@@ -52,8 +55,11 @@ class Linear(nnx.Module):
         self.fp8 = fp8 and cfg.fp8 == "blockwise"
 
     def __call__(self, x):
-        if self.fp8:
-            y = fp8_linear(x.astype(self.dtype), self.kernel[...])
+        kernel = self.kernel[...]
+        if isinstance(kernel, Fp8Weight):
+            y = fp8_linear_frozen(x.astype(self.dtype), kernel)
+        elif self.fp8:
+            y = fp8_linear(x.astype(self.dtype), kernel)
         else:
             y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:

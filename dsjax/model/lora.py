@@ -34,6 +34,7 @@ from flax import nnx
 
 from dsjax.config import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP, LoraConfig, ModelConfig
 from dsjax.model.layers import Linear
+from pallas_kernels.fp8.frozen import Fp8Weight
 from pallas_kernels.moe import grouped_lora_matmuls, lora_dropout
 
 ADAPTER_LEAVES = ("lora_A", "lora_B")
@@ -260,8 +261,8 @@ def join(a: dict | None, b: dict | None) -> dict:
 
 def merged_params(params: dict, lcfg: LoraConfig) -> dict:
     """Base params with every adapter folded in: W' = W + A @ B * alpha / rank (fp32 maths and
-    result), per stacked layer and per routed expert. params without adapters are
-    returned unchanged. The result has the layout of the model without adapters, so the HF
+    result; a frozen `Fp8Weight` is dequantised first), per stacked layer and per routed expert.
+    params without adapters are returned unchanged. The result has the layout of the model without adapters, so the HF
     export (`dsjax.hf.save_hf`) and a plain `DeepSeekModel` take it."""
     base, ads = split_adapters(params)
     if not ads:
@@ -270,6 +271,8 @@ def merged_params(params: dict, lcfg: LoraConfig) -> dict:
 
     def fold(w, a, b):
         delta = jnp.einsum("...ir,...ro->...io", a.astype(jnp.float32), b.astype(jnp.float32))
+        if isinstance(w, Fp8Weight):  # a frozen FP8 weight: its dequantised values
+            w = w.dequantize()
         return w.astype(jnp.float32) + delta * scale
 
     def walk(base_t, ad_t):
@@ -291,7 +294,8 @@ def match_patterns(params: dict, patterns, where: str) -> set[tuple[str, ...]]:
     """Paths of the base leaves of `params` that one of `patterns` names: a path component equal
     to the pattern, or an fnmatch of the dotted path. Raises ValueError naming the first pattern
     (and `where`, e.g. 'lora.freeze') that matches no leaf."""
-    leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+        params, is_leaf=lambda x: isinstance(x, Fp8Weight))[0]]  # a frozen FP8 weight is one leaf
     leaves = [p for p in leaves if not is_adapter_path(p) and "lora" not in p]
     hit = set()
     for i, pat in enumerate(patterns):

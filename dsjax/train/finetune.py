@@ -8,6 +8,11 @@ routing reads it in fp32. What trains (`dsjax.config.LoraConfig`):
   lora.rank = 0   every base weight
 and in both cases nothing that lora.freeze matches. `join(state["params"], state["frozen"])`
 is the model's full parameter tree.
+Under `model.fp8=blockwise` the frozen weights of the FP8 GEMMs (`fp8_frozen_paths`) are stored
+as `pallas_kernels.fp8.frozen.Fp8Weight` (E4M3 values + fp32 128 x 128 block scales: 1 byte and
+4 / 16384 per element, about half of bf16), the operand the FP8 GEMMs would quantise them to
+every step: DeepSeek-V3's FP8 checkpoint's weights as stored (`dsjax.hf.load_hf_params(
+fp8_keep=...)`, no rounding), any other weight quantised once from its own values.
 
 Gradient norms per module group (`grad_group_norms`) and the token counts of a step
 (`token_counts`) are computed inside the jitted step from values it already has.
@@ -21,6 +26,8 @@ from flax import nnx
 from dsjax.config import Config
 from dsjax.model import DeepSeekModel, ModelFns
 from dsjax.model.layers import dtype_of
+from dsjax.model.moe import EXPERT_PROJS
+from pallas_kernels.fp8.frozen import Fp8Weight, scale_grid
 from dsjax.model.lora import (attach_adapters, is_adapter_path, join, match_patterns, path_names,
                               split_adapters, trained_base_paths)
 
@@ -55,6 +62,10 @@ def abstract_model(cfg: Config, seed: int = 0):
     return ModelFns(graphdef, ps, rs), ps.to_pure_dict(), rs.to_pure_dict()
 
 
+def _is_fp8(x) -> bool:
+    return isinstance(x, Fp8Weight)
+
+
 def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
     """Paths of the frozen leaves of the full params tree (arrays or specs).
 
@@ -62,10 +73,38 @@ def frozen_paths(cfg: Config, params: dict) -> set[tuple[str, ...]]:
     that matches no parameter."""
     lc = cfg.lora
     if lc.rank > 0:
-        leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        leaves = [path_names(p) for p, _ in jax.tree_util.tree_flatten_with_path(params, is_leaf=_is_fp8)[0]]
         saved = trained_base_paths(lc, params)
         return {p for p in leaves if not is_adapter_path(p) and p not in saved}
     return match_patterns(params, lc.freeze, "lora.freeze") if lc.freeze else set()
+
+
+def fp8_frozen_paths(cfg: Config, params: dict, frozen: set | None = None) -> set[tuple[str, ...]]:
+    """Paths of the frozen leaves that are the weight operand of an FP8 GEMM and so are held as
+    `Fp8Weight`s: under `model.fp8=blockwise`, the frozen kernels of the FP8 linears (every
+    `Linear` but the lm_head) and the routed experts' gate/up/down stacks. Empty under
+    model.fp8=none. `frozen`: `frozen_paths(cfg, params)` when already known.
+    Raises ValueError as `frozen_paths`."""
+    if cfg.model.fp8 != "blockwise":
+        return set()
+
+    def fp8_gemm(p):
+        if p[0] == "lm_head":
+            return False
+        return p[-1] == "kernel" or (len(p) > 1 and p[-2] == "mlp" and p[-1] in EXPERT_PROJS)
+    return {p for p in (frozen_paths(cfg, params) if frozen is None else frozen) if fp8_gemm(p)}
+
+
+def as_fp8(x) -> Fp8Weight:
+    """A weight [..., in, out] as `Fp8Weight`: as it is when it is one, quantised per 128 x 128
+    block from its own values when an array (`Fp8Weight.quantize`), or its abstract form for a
+    ShapeDtypeStruct."""
+    if isinstance(x, Fp8Weight):
+        return x
+    if isinstance(x, jax.ShapeDtypeStruct):
+        return Fp8Weight(jax.ShapeDtypeStruct(x.shape, jnp.float8_e4m3fn),
+                         jax.ShapeDtypeStruct(scale_grid(x.shape), jnp.float32))
+    return Fp8Weight.quantize(x)
 
 
 def _select(tree: dict, paths: set, keep: bool, prefix=()) -> dict:
@@ -83,17 +122,22 @@ def _select(tree: dict, paths: set, keep: bool, prefix=()) -> dict:
 
 def partition(cfg: Config, params: dict, cast: bool = True) -> tuple[dict, dict]:
     """Full params -> (trainable, frozen) pure dicts. `cast`: frozen float leaves to the compute
-    dtype (except FP32_FROZEN); False keeps them as they are (logical specs, shardings)."""
+    dtype (except FP32_FROZEN), and under model.fp8=blockwise the `fp8_frozen_paths` leaves to
+    `Fp8Weight` (`as_fp8`); False keeps them as they are (logical specs, shardings)."""
     paths = frozen_paths(cfg, params)
     train, frozen = _select(params, paths, False), _select(params, paths, True)
     if cast and frozen:
         dt = dtype_of(cfg.model.dtype)
+        fp8 = fp8_frozen_paths(cfg, params, paths)
 
         def c(path, x):
-            if path_names(path)[-1] in FP32_FROZEN or not jnp.issubdtype(x.dtype, jnp.floating):
+            if path_names(path) in fp8:
+                return as_fp8(x)
+            if (isinstance(x, Fp8Weight) or path_names(path)[-1] in FP32_FROZEN
+                    or not jnp.issubdtype(x.dtype, jnp.floating)):
                 return x
             return x.astype(dt) if isinstance(x, jax.Array) else jax.ShapeDtypeStruct(x.shape, dt)
-        frozen = jax.tree_util.tree_map_with_path(c, frozen)
+        frozen = jax.tree_util.tree_map_with_path(c, frozen, is_leaf=_is_fp8)
     return train, frozen
 
 

@@ -395,8 +395,9 @@ def train(cfg: C.Config, resume: bool = False, from_intact: bool = False) -> dic
     # holds every weight (trainable in `params`, frozen in `frozen`), so the base may be gone
     if (tc.init_from_hf or tc.init_from) and latest is None:
         base, adapters = finetune.base_and_adapters(params)
-        if tc.init_from_hf:
-            base, rest = load_hf_params(tc.init_from_hf, cfg.model, base, rest)
+        if tc.init_from_hf:  # frozen FP8 weights stay FP8 under model.fp8=blockwise
+            base, rest = load_hf_params(tc.init_from_hf, cfg.model, base, rest,
+                                        fp8_keep=finetune.fp8_frozen_paths(cfg, params))
         else:
             base, rest = runs.load_base_run(tc.init_from, cfg)
         params = finetune.join(base, adapters)

@@ -17,11 +17,13 @@ from dsjax.model.lora import merged_params, path_names
 from dsjax.train.finetune import FP32_FROZEN, abstract_model, full_params, partition
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import init_state
+from pallas_kernels.fp8.frozen import Fp8Weight
 
 
 def make_state(cfg: Config, params: dict, rest: dict, tx, loss_scale: float = 1.0) -> dict:
     """The train state of full params: trainable leaves in `params` (with optimizer state), the
-    rest in `frozen` (compute dtype), absent when nothing is frozen."""
+    rest in `frozen` (compute dtype; FP8 GEMM weights as `Fp8Weight` under model.fp8=blockwise),
+    absent when nothing is frozen."""
     train, frozen = partition(cfg, params)
     return init_state(train, rest, tx, loss_scale, frozen=frozen or None)
 
@@ -62,6 +64,8 @@ def load_base_run(run_dir, cfg: Config) -> tuple[dict, dict]:
                                 f"{getattr(theirs.model, f.name)!r}")
     base = merged_params(params, theirs.lora)
     wdt = dtype_of(cfg.model.weight_dtype)
-    base = jax.tree_util.tree_map_with_path(
-        lambda p, x: x.astype(jnp.float32 if path_names(p)[-1] in FP32_FROZEN else wdt), base)
+    base = jax.tree_util.tree_map_with_path(  # frozen FP8 weights of that run dequantised
+        lambda p, x: (x.dequantize() if isinstance(x, Fp8Weight) else x).astype(
+            jnp.float32 if path_names(p)[-1] in FP32_FROZEN else wdt), base,
+        is_leaf=lambda x: isinstance(x, Fp8Weight))
     return base, rest

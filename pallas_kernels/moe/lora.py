@@ -20,6 +20,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
 from pallas_kernels.fp8 import api as fp8_api
+from pallas_kernels.fp8 import frozen as fp8_frozen
 from pallas_kernels.moe import api
 
 
@@ -134,8 +135,9 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
       in_stacks: None, or per W_i None or (stack, i) (`grouped_matmul(in_stack=...)`);
       dw_sinks: None, or per W_i None or (ref, row) (`grouped_matmul(dw_sink=...)`).
       fp8: each x @ W_i is `pallas_kernels.fp8.fp8_grouped_gemm` (E4M3, block-scaled; the
-        adapters' GEMMs stay in x's dtype and run beside it, not inside it); in_stacks and
-        dw_sinks must then be None.
+        adapters' GEMMs stay in x's dtype and run beside it, not inside it), or, for a W_i that
+        is a frozen `pallas_kernels.fp8.frozen.Fp8Weight`, `fp8_grouped_gemm_frozen` of its
+        stored values and scales; in_stacks and dw_sinks must then be None.
     Returns:
       tuple of [M, N_i] in x.dtype, fp32 accumulation. Differentiable in x, x_adapter and
       every W, A, B.
@@ -162,7 +164,8 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
         for i, b in zip(live, placed):
             extras[i] = (t, b, a) if same else (t, b)
     if fp8:
-        ys = [fp8_api.fp8_grouped_gemm(x, w, group_sizes) for w in ws]
+        ys = [fp8_frozen.fp8_grouped_gemm_frozen(x, w, group_sizes) if isinstance(w, fp8_frozen.Fp8Weight)
+              else fp8_api.fp8_grouped_gemm(x, w, group_sizes) for w in ws]
     else:
         ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None,
                                  dw_sink=sk)

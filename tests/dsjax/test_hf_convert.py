@@ -20,7 +20,9 @@ from dsjax.hf import (CheckpointError, HFConfigError, SafetensorsCheckpoint, loa
                       model_config_from_hf, save_hf)
 from dsjax.hf import mapping as M
 from dsjax.hf.safetensors_io import dequant_fp8, write_sharded
+from dsjax.model import abstract_model
 from dsjax.model.rope import softmax_scale
+from pallas_kernels.fp8.frozen import Fp8Weight
 
 import torch  # noqa: E402  the test extra: missing torch/transformers fails loudly, never skips
 import transformers  # noqa: E402
@@ -241,6 +243,22 @@ def test_fp8_partial_blocks_and_scale_in_another_shard(v3, tmp_path, blk):
             leaf = M.get_path(params if e.tree == "params" else rest, e.path)
             got = np.asarray(leaf[e.index])
             np.testing.assert_array_equal(got.T if e.op == M.T else got, want[e.hf], err_msg=e.hf)
+    # kept FP8 (frozen weights under model.fp8=blockwise): the stored values and scales,
+    # transposed to [in, out]; only 128x128 blocks are kept, others are dequantised as above
+    _, abs_p, abs_r = abstract_model(cfg)
+    keep = {e.path for e in M.entries(cfg, abs_p, abs_r) if e.hf in want}
+    kp, _ = load_hf_params(tmp_path, cfg, abs_p, abs_r, fp8_keep=keep)
+    for e in M.entries(cfg, params, rest):
+        if e.hf not in want:
+            continue
+        leaf = M.get_path(kp, e.path)
+        if blk != (128, 128):
+            np.testing.assert_array_equal(np.asarray(leaf[e.index]).T, want[e.hf], err_msg=e.hf)
+            continue
+        assert isinstance(leaf, Fp8Weight), e.hf
+        np.testing.assert_array_equal(np.asarray(leaf.q[e.index]).T.view(np.uint8),
+                                      weights[e.hf].view(np.uint8), err_msg=e.hf)
+        np.testing.assert_array_equal(np.asarray(leaf.s[e.index]).T, scales[e.hf + "_scale_inv"], err_msg=e.hf)
 
 
 def test_dequant_fp8_v3_kv_a_shape():
