@@ -20,6 +20,17 @@ V2_LITE = ["model.vocab_size=102400", "model.hidden_size=2048", "model.num_atten
            "model.rope_scaling={factor: 40, original_max_position_embeddings: 4096, mscale: 0.707, mscale_all_dim: 0.707}"]
 
 # dsjax rows: config overrides on top of V2_LITE
+# The HF peers' model: transformers' DeepseekV2Config at V2-Lite geometry with L layers, as source
+# lines for the peers' scripts (which run in their own processes; `L` is defined there).
+HF_V2_LITE_CONFIG = """\
+cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+    num_hidden_layers=L, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
+    num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=163840,
+    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+"""
+
 DSJAX_ROWS = {
     "default": [],
     "matched": ["model.weight_dtype=bfloat16", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16",

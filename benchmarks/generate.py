@@ -30,7 +30,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from _step_common import V2_LITE  # noqa: E402
+from _step_common import HF_V2_LITE_CONFIG, V2_LITE  # noqa: E402
 
 TINY = ["model.vocab_size=512", "model.hidden_size=64", "model.num_attention_heads=4",
         "model.kv_lora_rank=32", "model.qk_nope_head_dim=16", "model.qk_rope_head_dim=16",
@@ -141,12 +141,7 @@ HF_SCRIPT = r"""
 import json, sys, time, torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 L, B, S, steps = (int(a) for a in sys.argv[1:5])
-cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-    num_hidden_layers=L, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
-    num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=163840,
-    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+""" + HF_V2_LITE_CONFIG + r"""
 torch.set_default_dtype(torch.bfloat16)
 with torch.device("cuda"):
     model = DeepseekV2ForCausalLM(cfg).eval()

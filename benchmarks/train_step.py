@@ -51,7 +51,7 @@ import traceback
 from typing import NamedTuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _step_common import DSJAX_ROWS, INSTR, V2_LITE, classify, row_label, stack_tables  # noqa: E402
+from _step_common import DSJAX_ROWS, HF_V2_LITE_CONFIG, INSTR, V2_LITE, classify, row_label, stack_tables  # noqa: E402
 from gpu_power import PowerSampler, describe  # noqa: E402
 from step_bytes import by_part, hlo_bytes  # noqa: E402 (the bytes each part moves, from the same HLO)
 
@@ -245,12 +245,7 @@ import json, sys, time, torch
 from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
 L, B, T, steps, compile_ = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
 clip = sys.argv[7] == "1"
-cfg = DeepseekV2Config(vocab_size=102400, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
-    num_hidden_layers=L, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
-    qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_routed_experts=64, n_shared_experts=2,
-    num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", max_position_embeddings=163840,
-    rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
-                  "beta_slow": 1, "mscale": 0.707, "mscale_all_dim": 0.707})
+""" + HF_V2_LITE_CONFIG + r"""
 model = DeepseekV2ForCausalLM(cfg).cuda().to(torch.bfloat16)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
 x = torch.randint(0, 102400, (B, T + 1), device="cuda")
