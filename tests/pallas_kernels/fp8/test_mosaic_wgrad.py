@@ -101,3 +101,35 @@ def test_refusals():
         fp8_gemm_1d1d(a_q, a_s[:, :1], b_q, b_s)
     with pytest.raises(ValueError, match="overlap needs tile_n=128"):
         fp8_gemm_1d1d(a_q, a_s, b_q, b_s, config=Fp8Config(tile_n=256))
+
+
+class _H100:
+    """A stand-in Hopper device for `_hopper.target_device` (lowering only)."""
+    platform, compute_capability, core_count = "gpu", "9.0", 132
+
+
+def _kernel_hashes(fn, *args):
+    import re
+    with _hopper.target_device(_H100()):
+        text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    return re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
+
+
+def test_kernels_lower_for_hopper():
+    """Mosaic GPU lowering (layout inference of the column scales included) for CUDA on this
+    CPU: the wgrad kernel in its three configs, and fp8_linear's forward + backward at
+    kv_a_proj_with_mqa's shape (2048 -> 576, N padded to 640) as three distinct kernels."""
+    from pallas_kernels.fp8 import fp8_linear
+    f8, f32 = jnp.float8_e4m3fn, jnp.float32
+    S = jax.ShapeDtypeStruct
+    ops = (S((384, 512), f8), S((384, 4), f32), S((512, 512), f8), S((512, 4), f32))
+    for cfg in (None, OVERLAP, WIDE):
+        assert len(_kernel_hashes(lambda *o, cfg=cfg: fp8_gemm_1d1d(*o, config=cfg), *ops)) == 1
+
+    def fwd_bwd(x, w, dy):
+        y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, impl="mosaic"), x, w)
+        return (y,) + vjp(dy)
+
+    hashes = _kernel_hashes(fwd_bwd, S((512, 2048), jnp.bfloat16), S((2048, 576), f32),
+                            S((512, 576), jnp.bfloat16))
+    assert len(hashes) == 3 and len(set(hashes)) == 3
