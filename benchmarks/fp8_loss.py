@@ -2,7 +2,7 @@
 and model.fp8=blockwise (DeepSeek-V3 sec. 3.3: every linear layer's forward, dgrad and wgrad in
 E4M3 with 1 x 128 / 128 x 128 scales; the report's relative loss gap stays below 0.25 %).
 
-    python benchmarks/fp8_loss.py [--steps 400] [--batch 4] [--seq 2048] [--layers 4]
+    python benchmarks/fp8_loss.py [--steps 300] [--batch 4] [--seq 2048] [--layers 4]
         [--state default|matched] [--every 20] [--out DIR] [--set KEY=VALUE ...]
     python benchmarks/fp8_loss.py --tiny [--out DIR] [--set ...]   # CPU smoke: configs/tiny.yaml
 
@@ -21,10 +21,11 @@ target, each run's step time (after the first, compiling step); OUT/fp8_loss.md 
 OUT/fp8_loss.json (every loss) and OUT/fp8_loss.png (both curves; matplotlib if installed,
 else a plain line plot without labels, `_plot_png.py`).
 
-Default size: 400 steps of B4 x T2048 (3.3 M tokens per run); at ~70-120 ms per bf16 step on an
-H100 (train_step.py's rows) and up to ~1.5 x that for fp8, plus model init and compilation
-(~1 min per run) and training the 102400-token BPE on first use (~1-2 min), both runs take about
-5-7 minutes.
+Default size: 300 steps of B4 x T2048 (2.5 M tokens per run). Estimate on an H100: ~70-120 ms
+per bf16 step (train_step.py's rows); the fp8 step is ~0.1-0.2 s with FP8 kernels for every
+GEMM, up to ~0.5 s where the routed experts' FP8 GEMMs run `pallas_kernels.fp8`'s XLA reference
+(fp32 dots); plus model init and compilation (~1 min per run) and training the 102400-token BPE
+on first use (~1-2 min): about 4-8 minutes for both runs.
 
 `--tiny` (no GPU): configs/tiny.yaml's model, 6 steps of 4 x 64 tokens, last-3 mean instead of
 last 50: checks that the table and the PNG are written, not the numbers.
@@ -174,7 +175,7 @@ def run(args) -> int:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=None, help="steps per run (400; --tiny 6)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (300; --tiny 6)")
     p.add_argument("--batch", type=int, default=None, help="rows per step (4; --tiny 4)")
     p.add_argument("--seq", type=int, default=None, help="tokens per row (2048; --tiny 64)")
     p.add_argument("--layers", type=int, default=4)
@@ -186,7 +187,7 @@ def main(argv=None) -> int:
                    help="dsjax config overrides for both runs")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run on configs/tiny.yaml")
     args = p.parse_args(argv)
-    for name, full, tiny in (("steps", 400, 6), ("batch", 4, 4), ("seq", 2048, 64)):
+    for name, full, tiny in (("steps", 300, 6), ("batch", 4, 4), ("seq", 2048, 64)):
         if getattr(args, name) is None:
             setattr(args, name, tiny if args.tiny else full)
         if getattr(args, name) < 1:
