@@ -36,6 +36,9 @@ DSJAX_ROWS = {
     "matched": ["model.weight_dtype=bfloat16", "optim.mu_dtype=bfloat16", "optim.nu_dtype=bfloat16",
                 "model.round_logits=true"],
 }
+# the same two with every linear layer's three GEMMs in FP8 (DeepSeek-V3's block scales)
+DSJAX_ROWS["fp8_default"] = DSJAX_ROWS["default"] + ["model.fp8=blockwise"]
+DSJAX_ROWS["fp8_matched"] = DSJAX_ROWS["matched"] + ["model.fp8=blockwise"]
 
 
 def row_label(row: str, extra: tuple = (), baseline: bool = False) -> str:

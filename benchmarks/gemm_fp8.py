@@ -2,6 +2,7 @@
 bf16 cuBLAS and XLA's own per-tensor FP8 dot.
 
     python3 benchmarks/gemm_fp8.py [--iters 20] [--reps 5] [--rows NAME,...] [--tokens 8192]
+        [--pass fwd,dgrad,wgrad,linear]
     python3 benchmarks/gemm_fp8.py --tiny      # off a GPU: small shapes in GPU interpret mode
     python3 benchmarks/gemm_fp8.py --dry-run   # off a GPU: every program compiled for an H200
 
@@ -30,6 +31,17 @@ fp32 sum of the dequantised block products (the kernel's own error; `ideal` is t
 rounded to bf16 once, the least a bf16 output can have), "quant" ours against the fp32 product of
 the unquantised inputs (the error of 1 x 128 / 128 x 128 e4m3 quantisation), "f8 xla" the
 per-tensor FP8 dot against the same. Expert rows check the first 4 groups' rows.
+
+--pass (default all four): "fwd" the table above; on the dense rows also "dgrad"
+(dx [M, K] = dy [M, N] @ w^T: dy in 1 x 128 tiles, w [K, N] the weight in dsjax's [in, out]
+layout in 128 x 128 blocks, i.e. the forward's blocks read transposed; bf16 `jnp.dot(dy, w.T)`),
+"wgrad" (dw [K, N] = x^T dy, contraction over the M tokens: x^T and dy^T quantised per (row,
+128 tokens), `mosaic_wgrad.fp8_gemm_1d1d`, fp32 output; bf16: XLA's dot of x and dy over M
+with fp32 output; "ours ov" the kernel with the fold overlapped, "ours 256" tile_n 256; "+q"
+with both transposed quantisations in the timed call) and "linear" (the whole layer forward +
+backward: `jax.vjp` of `fp8_linear(x, w, impl="mosaic")` with every quantisation included,
+against the same of the bf16 `x @ w`; TFLOP/s of 3 x 2 M N K, errors of y, dx and dw against
+fp32, the largest of the three).
 
 Times are the median of --reps timings of --iters back-to-back calls (`moe.seconds`). Peak:
 989 TFLOP/s bf16, 1,979 FP8 dense on an H100/H200 SXM.
@@ -235,7 +247,134 @@ def xla_route(hlo_text):
     return "?"
 
 
-def dry_run(names, tokens):
+PASSES = ("fwd", "dgrad", "wgrad", "linear")
+
+
+def build_pass(pass_, spec, tokens, key, shapes_only=False):
+    """Programs of one dense row's dgrad, wgrad or whole-linear pass (module docstring):
+    dict(m, n, k, flops, progs [(label, jitted fn, args)], refs: fn(outs) -> errors)."""
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from pallas_kernels.fp8 import fp8_linear
+    from pallas_kernels.fp8.mosaic_gemm import Fp8Config, fp8_gemm_blockwise
+    from pallas_kernels.fp8.mosaic_wgrad import fp8_gemm_1d1d
+
+    _, n, k, _ = spec
+    m = tokens
+    run = jax.eval_shape if shapes_only else (lambda f, *x: jax.jit(f)(*x))
+    if shapes_only:
+        x, dy, w = (jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in ((m, k), (m, n), (k, n)))
+    else:
+        kx, kd, kw = jax.random.split(key, 3)
+        x = jax.random.normal(kx, (m, k), jnp.float32).astype(jnp.bfloat16)
+        dy = jax.random.normal(kd, (m, n), jnp.float32).astype(jnp.bfloat16)
+        w = (jax.random.normal(kw, (k, n), jnp.float32) / k ** 0.5).astype(jnp.bfloat16)
+    f32, hp = jnp.float32, "highest"
+    err = lambda a, ref: float(jnp.linalg.norm(a.astype(f32) - ref) / jnp.linalg.norm(ref))  # noqa: E731
+    if pass_ == "dgrad":
+        w_q, w_s = run(quant_blocks, w)  # [Kp, Np]: the kernel's b [N_out = K, contraction N]
+        dy_q, dy_s = run(quant_rows, dy)
+        ours = jax.jit(lambda a, s, b, bs: fp8_gemm_blockwise(a, s, b, bs)[:, :k])
+        ours_q = jax.jit(lambda dy, b, bs: fp8_gemm_blockwise(*quant_rows(dy), b, bs)[:, :k])
+        progs = [("bf16", jax.jit(lambda dy, w: jnp.dot(dy, w.T)), (dy, w)),
+                 ("ours", ours, (dy_q, dy_s, w_q, w_s))]
+        if w_q.shape[0] % 256 == 0:
+            wide = Fp8Config(tile_n=256, overlap=False)
+            progs.append(("ours 256", jax.jit(lambda a, s, b, bs: fp8_gemm_blockwise(
+                a, s, b, bs, config=wide)[:, :k]), (dy_q, dy_s, w_q, w_s)))
+        progs.append(("ours +q", ours_q, (dy, w_q, w_s)))
+
+        def refs(outs):
+            ref_q = jnp.dot(dequant(dy_q, dy_s), dequant(w_q, w_s).T, precision=hp)[:, :k]
+            ref_x = jnp.dot(dy.astype(f32), w.astype(f32).T, precision=hp)
+            return dict(ours=err(outs["ours"], ref_q), ideal=err(ref_q.astype(jnp.bfloat16), ref_q),
+                        quant=err(outs["ours"], ref_x))
+        return dict(m=m, n=n, k=k, flops=2 * m * n * k, progs=progs, refs=refs)
+    if pass_ == "wgrad":
+        def quant_t(x, rows_to=1):
+            """x [M, C] -> x^T [C, M] quantised per (row, 128 tokens), rows padded to rows_to."""
+            return quant_rows(_pad_to(x.T, 0, rows_to))
+        xt_q, xt_s = run(quant_t, x)
+        dyt_q, dyt_s = run(lambda d: quant_t(d, BLOCK), dy)
+        ops = (xt_q, xt_s, dyt_q, dyt_s)
+        mk = lambda cfg=None: jax.jit(lambda *o: fp8_gemm_1d1d(*o, config=cfg)[:, :n])  # noqa: E731
+        bf16 = jax.jit(lambda x, dy: lax.dot_general(x, dy, (((0,), (0,)), ((), ())),
+                                                      preferred_element_type=f32))
+        progs = [("bf16", bf16, (x, dy)), ("ours", mk(), ops),
+                 ("ours ov", mk(Fp8Config(overlap=True)), ops)]
+        if dyt_q.shape[0] % 256 == 0:
+            progs.append(("ours 256", mk(Fp8Config(tile_n=256, overlap=False)), ops))
+        progs.append(("ours +q", jax.jit(lambda x, dy: fp8_gemm_1d1d(
+            *quant_t(x), *quant_t(dy, BLOCK))[:, :n]), (x, dy)))
+
+        def refs(outs):
+            ref_q = jnp.dot(dequant(xt_q, xt_s), dequant(dyt_q, dyt_s).T, precision=hp)[:, :n]
+            ref_x = jnp.dot(x.astype(f32).T, dy.astype(f32), precision=hp)
+            return dict(ours=err(outs["ours"], ref_q), ideal=0.0, quant=err(outs["ours"], ref_x))
+        return dict(m=m, n=n, k=k, flops=2 * m * n * k, progs=progs, refs=refs)
+
+    def fwd_bwd(f):
+        def run_(x, w, dy):
+            y, vjp = jax.vjp(f, x, w)
+            return (y,) + vjp(dy)
+        return jax.jit(run_)
+    progs = [("bf16", fwd_bwd(lambda x, w: x @ w), (x, w, dy)),
+             ("ours", fwd_bwd(lambda x, w: fp8_linear(x, w, impl="mosaic")), (x, w, dy))]
+
+    def refs(outs):
+        x32, w32, dy32 = x.astype(f32), w.astype(f32), dy.astype(f32)
+        exact = (jnp.dot(x32, w32, precision=hp), jnp.dot(dy32, w32.T, precision=hp),
+                 jnp.dot(x32.T, dy32, precision=hp))
+        worst = lambda o: max(err(a, e) for a, e in zip(o, exact))  # noqa: E731
+        return dict(ours=worst(outs["ours"]), bf16=worst(outs["bf16"]))
+    return dict(m=m, n=n, k=k, flops=6 * m * n * k, progs=progs, refs=refs)
+
+
+def run_passes(passes, names, specs, tokens, iters, reps):
+    """Time the dgrad / wgrad / linear passes of the dense rows; prints one table per pass."""
+    import jax
+
+    from moe import seconds
+
+    for pass_ in passes:
+        table = []
+        for i, name in enumerate(n for n in names if not specs[n][3]):
+            row = build_pass(pass_, specs[name], tokens, jax.random.key(100 + i))
+            outs, ms = {}, {}
+            for label, fn, fargs in row["progs"]:
+                outs[label] = fn(*fargs)
+                ms[label] = seconds(fn, fargs, iters, reps) * 1e3
+            errs = row["refs"](outs)
+            table.append((name, row, ms, errs))
+            print(pass_, name, {lb: f"{t:.3f} ms" for lb, t in ms.items()},
+                  {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
+            del row, outs
+        print(f"\n{pass_}: TFLOP/s of {row_flops(pass_)} (real shape); ms per call\n")
+        if pass_ == "linear":
+            print("| row | M | N | K | bf16 ms | fp8 ms | fp8 / bf16 speed | bf16 TF | fp8 TF "
+                  "| err fp8 | err bf16 |\n" + "|---" * 11 + "|")
+            for name, row, ms, errs in table:
+                tf = lambda lb: row["flops"] / ms[lb] / 1e9  # noqa: E731
+                print(f"| {name} | {row['m']} | {row['n']} | {row['k']} | {ms['bf16']:.3f} "
+                      f"| {ms['ours']:.3f} | {ms['bf16'] / ms['ours']:.2f}x | {tf('bf16'):.0f} "
+                      f"| {tf('ours'):.0f} | {errs['ours']:.1e} | {errs['bf16']:.1e} |")
+            continue
+        print("| row | M | N | K | bf16 | ours | ours ov | ours 256 | ours +q | err ours | ideal "
+              "| err quant |\n" + "|---" * 12 + "|")
+        for name, row, ms, errs in table:
+            tf = lambda lb: (f"{row['flops'] / ms[lb] / 1e9:.0f}" if lb in ms else "-")  # noqa: E731
+            print(f"| {name} | {row['m']} | {row['n']} | {row['k']} | {tf('bf16')} | {tf('ours')} "
+                  f"| {tf('ours ov')} | {tf('ours 256')} | {tf('ours +q')} "
+                  f"| {errs['ours']:.1e} | {errs['ideal']:.1e} | {errs['quant']:.1e} |")
+
+
+def row_flops(pass_):
+    return "3 x 2 M N K" if pass_ == "linear" else "2 M N K"
+
+
+def dry_run(names, tokens, passes=("fwd",)):
     """Compile every row's programs for the compile-only H200 (no GPU; needs the CUDA plugin)."""
     os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
     import jax
@@ -253,8 +392,11 @@ def dry_run(names, tokens):
         return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
 
     with target_device(dev):
-        for name in names:
-            row = build(name, ROWS[name], tokens, None, shapes_only=True)
+        jobs = [(name, "fwd") for name in names if "fwd" in passes]
+        jobs += [(name, p) for p in passes if p != "fwd" for name in names if not ROWS[name][3]]
+        for name, pass_ in jobs:
+            row = (build(name, ROWS[name], tokens, None, shapes_only=True) if pass_ == "fwd" else
+                   build_pass(pass_, ROWS[name], tokens, None, shapes_only=True))
             for label, fn, args in row["progs"]:
                 t0 = time.perf_counter()
                 text = fn.lower(*map(abstract, args)).compile().as_text()
@@ -264,7 +406,7 @@ def dry_run(names, tokens):
                 elif label.startswith("ours"):
                     calls = text.count('custom_call_target="mosaic_gpu')
                     extra = f" Mosaic GPU calls: {calls}"
-                print(f"{name:<15} {label:<9} compiled for {dev.device_kind} in "
+                print(f"{name:<15} {pass_:<6} {label:<9} compiled for {dev.device_kind} in "
                       f"{time.perf_counter() - t0:.1f} s{extra}", flush=True)
     return 0
 
@@ -275,6 +417,8 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--tokens", type=int, default=8192, help="rows of the dense GEMMs (B x T)")
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {list(ROWS)}")
+    p.add_argument("--pass", dest="passes", default=",".join(PASSES),
+                   help=f"comma list of {list(PASSES)} (module docstring)")
     p.add_argument("--tiny", action="store_true", help="small shapes in GPU interpret mode (no GPU)")
     p.add_argument("--dry-run", action="store_true",
                    help="compile every program for an H200 without running (no GPU; CUDA plugin)")
@@ -284,11 +428,16 @@ def main(argv=None) -> int:
     if bad:
         print(f"--rows: unknown {bad}; known {list(ROWS)}", file=sys.stderr)
         return 2
+    passes = [x for x in args.passes.split(",") if x]
+    bad = [x for x in passes if x not in PASSES]
+    if bad or not passes:
+        print(f"--pass: unknown {bad or passes}; known {list(PASSES)}", file=sys.stderr)
+        return 2
     if args.dry_run or args.tiny:
         os.environ.setdefault("JAX_PLATFORMS", "cpu")
         os.environ.setdefault("PJRT_NPROC", "8")  # interpret mode under jit (_hopper)
     if args.dry_run:
-        return dry_run(names, args.tokens)
+        return dry_run(names, args.tokens, passes)
     import jax
 
     from moe import seconds  # benchmarks/moe.py: median of timed back-to-back calls
@@ -297,7 +446,7 @@ def main(argv=None) -> int:
     if args.tiny:
         specs, names, args.tokens, args.iters, args.reps = TINY, list(TINY), 256, 1, 1
     table = []
-    for i, name in enumerate(names):
+    for i, name in enumerate(names if "fwd" in passes else []):
         row = build(name, specs[name], args.tokens, jax.random.key(i))
         outs, ms, lt = {}, {}, None
         for label, fn, fargs in row["progs"]:
@@ -315,8 +464,9 @@ def main(argv=None) -> int:
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}; median of {args.reps} x {args.iters} calls; "
           f"TFLOP/s of 2 M N K (real shape)\n")
-    print("| row | M | N | K | E | bf16 | xla f8 (route) | ours | ours 256 | ours +q | quant ms "
-          "| err ours | ideal | err quant | err f8 xla |\n" + "|---" * 15 + "|")
+    if table:
+        print("| row | M | N | K | E | bf16 | xla f8 (route) | ours | ours 256 | ours +q | quant ms "
+              "| err ours | ideal | err quant | err f8 xla |\n" + "|---" * 15 + "|")
     for name, row, tf, qms, lt, errs in table:
         lt_s = lt or "-"
         print(f"| {name} | {row['m']} | {row['n']} | {row['k']} | {row['e'] or '-'} "
@@ -324,6 +474,7 @@ def main(argv=None) -> int:
               f"| {tf.get('ours 256', float('nan')):.0f} | {tf['ours +q']:.0f} | {qms:.3f} "
               f"| {errs['ours']:.1e} | {errs['ideal']:.1e} | {errs['quant']:.1e} "
               f"| {errs['f8 xla']:.1e} |")
+    run_passes([p for p in passes if p != "fwd"], names, specs, args.tokens, args.iters, args.reps)
     return 0
 
 

@@ -1,7 +1,7 @@
 """The training step a user runs, dsjax against HF transformers, at DeepSeek-V2-Lite geometry.
 
     python benchmarks/train_step.py [--layers 4] [--batch 4] [--seq 2048] [--steps 10]
-        [--dsjax default,matched] [--peers hf,hf_compile] [--profile DIR] [--set KEY=VALUE ...]
+        [--dsjax default,matched,fp8_default,fp8_matched] [--peers hf,hf_compile] [--profile DIR] [--set KEY=VALUE ...]
         [--paired KEY=VALUE ... [--rounds N]] [--baseline DIR [--rounds N]]
 
 Model: vocab 102400, hidden 2048, 16 heads, no q LoRA, kv_lora_rank 512, nope/rope/v 128/64/128,
@@ -12,6 +12,11 @@ are its own):
   dsjax default   fp32 master weights, fp32 Adam moments (what `python -m dsjax.train` runs)
   dsjax matched   bf16 weights, bf16 Adam moments and bf16 logits (`model.round_logits`): the
                   numerics the HF bf16 peers train with
+  dsjax fp8_default, fp8_matched
+                  default / matched with `model.fp8=blockwise`: every linear layer but the
+                  lm_head runs its forward, dgrad and wgrad GEMMs in FP8 E4M3 with DeepSeek-V3's
+                  1 x 128 / 128 x 128 scales (`pallas_kernels.fp8`, the Mosaic GPU kernels on
+                  Hopper), quantisation included in the step
   hf / hf_compile HF transformers DeepseekV2ForCausalLM, bf16 weights (so bf16 AdamW state),
                   fused AdamW, eager or torch.compile; no gradient clipping
   hf_compile_clip hf_compile clipping the gradients' global norm to 1.0 in the compiled step

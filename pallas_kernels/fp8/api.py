@@ -8,8 +8,10 @@ three GEMMs all take E4M3 operands with online fine-grained scales (reference.py
   dgrad    dx = dy @ w^T   dy in 1 x 128 tiles (per token, 128 of N), the same w blocks read
                            transposed (a 128 x 128 block is its own transpose's block);
   wgrad    dw = x^T @ dy   x and dy in 128 x 1 tiles (per channel, 128 tokens), quantised from
-                           the unquantised x / dy, as the contraction now runs over tokens.
-Accumulation is fp32. The backward's residuals are the FP8 values and fp32 scales (x in 128 x 1
+                           the unquantised x / dy, as the contraction now runs over tokens;
+                           written transposed (x^T [K, M], dy^T [N, M]: token-major, the
+                           layout the wgrad kernel reads).
+Accumulation is fp32. The backward's residuals are the FP8 values and fp32 scales (x^T in 128 x 1
 tiles, w in blocks), not x itself: 1 byte per element plus 4 per 128. Outputs are in x's dtype
 (the compute dtype), dx in x's dtype, dw in w's dtype (the master weights' dtype, as the cast
 in the unquantised path gives). For the routed experts the 128-token tiles of the weight
@@ -20,13 +22,15 @@ Backends (`impl`):
   "reference": XLA on any device: dequantise to fp32 and dot with fp32 accumulation at full
                precision (equal to the kernels' per-128-K promotion up to fp32 rounding; the
                weight gradient of the grouped GEMM is the promotion itself, one tile at a time).
-  "mosaic":    the forward and dgrad GEMMs of `fp8_linear` run
-               `pallas_kernels.fp8.mosaic_gemm.fp8_gemm_blockwise(a_q [M, K], a_s [M, K/128],
-               b_q [N, K], b_s [N/128, K/128], out_dtype)` (Hopper, wgmma), operands zero-padded
-               to multiples of 128; the wgrad GEMM (both operands scaled per row, DeepGEMM's
-               1D1D) and the grouped GEMMs stay on the reference until kernels for them exist.
-               ValueError when the kernel module is absent.
-  "auto":      "mosaic" on a Hopper GPU when that module is present, else "reference".
+  "mosaic":    `fp8_linear`'s three GEMMs run the Mosaic GPU kernels (Hopper, wgmma; GPU
+               interpret mode elsewhere, for tests): forward and dgrad
+               `mosaic_gemm.fp8_gemm_blockwise(a_q [M, K], a_s [M, K/128], b_q [N, K],
+               b_s [N/128, K/128])` (the forward with w's blocks transposed, [N, K]; the
+               dgrad with them as quantised, [K, N]: w is quantised once), the wgrad
+               `mosaic_wgrad.fp8_gemm_1d1d(x^T [K, M], s [K, M/128], dy^T [N, M],
+               s [N, M/128])` with fp32 output. Operands are zero-padded to multiples of 128
+               (padded scales are 1), outputs sliced back. The grouped GEMMs run the reference.
+  "auto":      "mosaic" on a Hopper GPU, else "reference".
 """
 from __future__ import annotations
 
@@ -36,65 +40,78 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._hopper import on_hopper
+from pallas_kernels.fp8 import mosaic_gemm, mosaic_wgrad
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
 IMPLS = ("auto", "reference", "mosaic")
 
 
-def _mosaic_kernel():
-    """`mosaic_gemm.fp8_gemm_blockwise`, or None where the module (or the function) is absent."""
-    try:
-        from pallas_kernels.fp8 import mosaic_gemm
-    except ImportError:
-        return None
-    return getattr(mosaic_gemm, "fp8_gemm_blockwise", None)
-
-
 def resolve_impl(impl: str) -> str:
-    """"reference" or "mosaic" for impl in IMPLS.
+    """"reference" or "mosaic" for impl in IMPLS ("auto": "mosaic" on a Hopper GPU).
 
     Raises:
-      ValueError: unknown impl, or impl="mosaic" without `pallas_kernels/fp8/mosaic_gemm.py`.
+      ValueError: unknown impl.
     """
     if impl not in IMPLS:
         raise ValueError(f"fp8: impl={impl!r}: expected one of {', '.join(IMPLS)}")
-    if impl == "reference":
-        return impl
-    have = _mosaic_kernel() is not None
-    if impl == "mosaic" and not have:
-        raise ValueError("fp8: impl='mosaic' needs pallas_kernels/fp8/mosaic_gemm.py "
-                         "(fp8_gemm_blockwise), which is not installed; use impl='reference'")
-    return "mosaic" if impl == "mosaic" or (have and on_hopper()) else "reference"
+    if impl == "auto":
+        return "mosaic" if on_hopper() else "reference"
+    return impl
 
 
 def _dot32(a, b):
     return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
 
 
+def _pad2(t):
+    """t zero-padded to multiples of 128 in both dims."""
+    return ref._pad_to(ref._pad_to(t, 0), 1)
+
+
+def _one_pad(s, rows: int, cols: int):
+    """Scales s padded with 1 to [rows, cols]: their values are zeros, and a zero scale is never
+    formed."""
+    return jnp.pad(s, ((0, rows - s.shape[0]), (0, cols - s.shape[1])), constant_values=1.0)
+
+
 def _gemm_nt(backend, a_q, a_s, b_q, b_s, out_dtype):
     """a [M, K] (1 x 128 tiles) @ b [N, K] (128 x 128 blocks)^T -> [M, N] in out_dtype."""
     if backend == "mosaic":
         m, n = a_q.shape[0], b_q.shape[0]
-        pad2 = lambda t: ref._pad_to(ref._pad_to(t, 0), 1)  # noqa: E731
-        # padded scale entries are 1: their values are zeros, and a zero scale is never formed
-        one_pad = lambda s, rows, cols: jnp.pad(s, ((0, rows - s.shape[0]), (0, cols - s.shape[1])),  # noqa: E731
-                                                constant_values=1.0)
-        ap, bp = pad2(a_q), pad2(b_q)
+        ap, bp = _pad2(a_q), _pad2(b_q)
         kb = ap.shape[1] // ref.BLOCK
-        out = _mosaic_kernel()(ap, one_pad(a_s, ap.shape[0], kb), bp,
-                               one_pad(b_s, bp.shape[0] // ref.BLOCK, kb), out_dtype=out_dtype)
+        out = mosaic_gemm.fp8_gemm_blockwise(ap, _one_pad(a_s, ap.shape[0], kb), bp,
+                                             _one_pad(b_s, bp.shape[0] // ref.BLOCK, kb),
+                                             out_dtype=out_dtype)
         return out[:m, :n]
     a = ref.dequantize_rows_1x128(a_q, a_s)
     b = ref.dequantize_blocks_128x128(b_q, b_s)
     return _dot32(a, b.T).astype(out_dtype)
 
 
-def _wgrad(x_q, x_s, dy_q, dy_s, out_dtype):
-    """x [M, K] and dy [M, N] in 128 x 1 tiles -> x^T dy [K, N] in out_dtype (fp32 accumulation)."""
-    x = ref.dequantize_cols_128x1(x_q, x_s)
-    dy = ref.dequantize_cols_128x1(dy_q, dy_s)
-    return _dot32(x.T, dy).astype(out_dtype)
+def _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, out_dtype):
+    """x^T [K, M] and dy^T [N, M] in 128 x 1 tiles of x and dy (`ref.quantize_cols_128x1_t`:
+    scales [K, Mb], [N, Mb]) -> x^T dy [K, N] in out_dtype (fp32 accumulation)."""
+    if backend == "mosaic":
+        k, n = xt_q.shape[0], dyt_q.shape[0]
+        ap, bp = ref._pad_to(xt_q, 1), _pad2(dyt_q)  # K rows: padded inside the kernel
+        out = mosaic_wgrad.fp8_gemm_1d1d(ap, xt_s, bp, _one_pad(dyt_s, bp.shape[0], dyt_s.shape[1]),
+                                         out_dtype=jnp.float32)
+        return out[:k, :n].astype(out_dtype)
+    xt = ref.dequantize_rows_1x128(xt_q, xt_s)
+    dyt = ref.dequantize_rows_1x128(dyt_q, dyt_s)
+    return _dot32(xt, dyt.T).astype(out_dtype)
+
+
+def _in_order(backend, *xs):
+    """xs, tied to each other by an optimization barrier where the kernels run in GPU interpret
+    mode (impl="mosaic" off a Hopper GPU): its simulator keeps global state and hangs when two
+    kernels run at once, so a kernel that reads these values waits for the one that produced
+    them (the forward before the dgrad, the dgrad before the wgrad). Unchanged on a GPU."""
+    if backend == "mosaic" and not on_hopper():
+        return jax.lax.optimization_barrier(xs)
+    return xs
 
 
 # ----------------------------------------------------------------------------- dense
@@ -108,7 +125,8 @@ def _fp8_matmul_fwd(x, w, backend):
     x_q, x_s = ref.quantize_rows_1x128(x)
     w_q, w_s = ref.quantize_blocks_128x128(w)  # [K, N], scales [Kb, Nb]
     y = _gemm_nt(backend, x_q, x_s, w_q.T, w_s.T, x.dtype)
-    xt_q, xt_s = ref.quantize_cols_128x1(x)
+    xt_q, xt_s = ref.quantize_cols_128x1_t(x)  # x^T [K, M], scales [K, Mb]
+    y, w_q, xt_q = _in_order(backend, y, w_q, xt_q)
     return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
 
 
@@ -116,8 +134,9 @@ def _fp8_matmul_bwd(backend, res, dy):
     xt_q, xt_s, w_q, w_s, x_meta, w_meta = res
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
     dx = _gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)  # dy [M, N] @ (w [K, N])^T
-    dyt_q, dyt_s = ref.quantize_cols_128x1(dy)
-    dw = _wgrad(xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)
+    dyt_q, dyt_s = ref.quantize_cols_128x1_t(dy)  # dy^T [N, M], scales [N, Mb]
+    dx, dyt_q = _in_order(backend, dx, dyt_q)
+    dw = _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)
     return dx, dw
 
 
@@ -136,7 +155,7 @@ def fp8_linear(x, w, *, impl: str = "auto"):
       [..., N] in x.dtype. Differentiable in x (gradient in x.dtype) and w (gradient in
       w.dtype); the three GEMMs quantise as DeepSeek-V3 sec. 3.3 (module docstring).
     Raises:
-      ValueError: x's last dim is not w's first, w is not 2-D, or impl is unknown / unavailable.
+      ValueError: x's last dim is not w's first, w is not 2-D, or impl is unknown.
     """
     if w.ndim != 2 or x.shape[-1] != w.shape[0]:
         raise ValueError(f"fp8_linear: x {list(x.shape)} and w {list(w.shape)} do not contract "

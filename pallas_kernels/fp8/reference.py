@@ -101,6 +101,21 @@ def quantize_cols_128x1(x):
     return q, s
 
 
+def quantize_cols_128x1_t(x):
+    """`quantize_cols_128x1` written transposed: x [M, K] -> its 128 x 1 tiles as rows of x^T,
+    the token-major layout in which the weight-gradient kernel (`mosaic_wgrad.fp8_gemm_1d1d`)
+    reads an operand that it contracts over the M tokens (wgmma reads 8-bit operands K-major).
+
+    Args:
+      x: [M, K], any float dtype; M need not be a multiple of 128.
+    Returns:
+      q [K, M] float8_e4m3fn, s [K, Mb] float32 with x[m, k] ~= q[k, m] * s[k, m // 128]:
+      bitwise the transposes of `quantize_cols_128x1(x)`'s q and s (the same tiles, maxima and
+      roundings), i.e. `quantize_rows_1x128(x.T)`.
+    """
+    return quantize_rows_1x128(x.T)
+
+
 def quantize_blocks_128x128(w):
     """Quantise w [N, K] in 128 x 128 blocks (either orientation: dsjax's [in, out] kernels
     give s [ceil(in / 128), ceil(out / 128)]).

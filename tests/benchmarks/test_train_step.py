@@ -64,3 +64,30 @@ def test_a_failed_torchtitan_peer_is_a_row_with_its_error(monkeypatch):
     monkeypatch.setattr(subprocess, "run", fake_run)
     row = TS.run_hf(types.SimpleNamespace(layers=4, batch=4, seq=2048, steps=10), "torchtitan")
     assert row == {"row": TS.PEERS["torchtitan"].label, "error": "ModuleNotFoundError: No module named 'torchtitan'"}
+
+
+def test_fp8_rows_are_default_and_matched_with_blockwise_fp8():
+    from dsjax import config as C
+    for row, base in (("fp8_default", "default"), ("fp8_matched", "matched")):
+        assert TS.DSJAX_ROWS[row] == TS.DSJAX_ROWS[base] + ["model.fp8=blockwise"]
+        cfg = C.load(None, TS.V2_LITE + ["model.num_hidden_layers=4"] + TS.DSJAX_ROWS[row])
+        ref = C.load(None, TS.V2_LITE + ["model.num_hidden_layers=4"] + TS.DSJAX_ROWS[base])
+        assert cfg.model.fp8 == "blockwise" and ref.model.fp8 == "none"
+        assert (cfg.model.weight_dtype, cfg.optim.mu_dtype) == (ref.model.weight_dtype, ref.optim.mu_dtype)
+    assert C.load(None, TS.V2_LITE + TS.DSJAX_ROWS["fp8_matched"]).model.weight_dtype == "bfloat16"
+
+
+def test_an_fp8_row_runs_as_its_own_child(monkeypatch):
+    seen = []
+
+    def fake_run(cmd, **_):
+        seen.append(cmd)
+        out = {"row": "dsjax fp8_matched", "step_ms": 70.0, "tokens_per_s": 1.2e5}
+        return types.SimpleNamespace(returncode=0, stdout=json.dumps(out) + "\n", stderr="")
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    args = types.SimpleNamespace(layers=4, batch=4, seq=2048, steps=10, set=[], profile="", hlo="")
+    row = TS.run_child(args, "fp8_matched")
+    assert row["row"] == "dsjax fp8_matched" and row["step_ms"] == 70.0
+    (cmd,) = seen
+    assert cmd[cmd.index("--child") + 1] == "fp8_matched"

@@ -9,9 +9,6 @@ sqrt(2) x 2.5 % ~ 3.5 % in every product, and the output's relative Frobenius er
 (independent errors add incoherently, as the signal does). We assert < 5 % and, exactly, that
 the FP8 path equals the ideal rounding (per-128-K promoted sum of the same E4M3 operands) to
 fp32 rounding: the reference path adds no error of its own."""
-import sys
-import types
-
 import numpy as np
 import pytest
 
@@ -44,9 +41,9 @@ def ideal(x, w, r):
     y = R.gemm_blockwise_reference(x_q, x_s, w_q.T, w_s.T)
     r_q, r_s = R.quantize_rows_1x128(r)
     dx = R.gemm_blockwise_reference(r_q, r_s, w_q, w_s)
-    xt_q, xt_s = R.quantize_cols_128x1(x)
-    rt_q, rt_s = R.quantize_cols_128x1(r)
-    dw = R.gemm_1d1d_reference(xt_q.T, xt_s.T, rt_q.T, rt_s.T)
+    xt_q, xt_s = R.quantize_cols_128x1_t(x)
+    rt_q, rt_s = R.quantize_cols_128x1_t(r)
+    dw = R.gemm_1d1d_reference(xt_q, xt_s, rt_q, rt_s)
     return y, dx, dw
 
 
@@ -136,10 +133,11 @@ def test_fp8_grouped_gemm_with_empty_experts():
 
 
 def test_mosaic_hook_passes_kernel_layouts(monkeypatch):
-    """impl="mosaic" hands the kernel K-major, 128-padded operands with [M, K/128] and
-    [N/128, K/128] scales (the layout `mosaic_gemm.fp8_gemm_blockwise` takes); a stand-in kernel
-    computing the reference's promoted sum gives the reference path's forward and gradients."""
-    calls = []
+    """impl="mosaic" hands the kernels K-major, 128-padded operands: [M, K/128] and
+    [N/128, K/128] scales to `mosaic_gemm.fp8_gemm_blockwise` (forward, dgrad), per-row scales
+    [K, M/128], [N, M/128] to `mosaic_wgrad.fp8_gemm_1d1d` (wgrad); stand-in kernels computing
+    the reference's promoted sums give the reference path's forward and gradients."""
+    calls, wcalls = [], []
 
     def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, out_dtype=jnp.bfloat16):
         m, kk = a_q.shape
@@ -149,9 +147,16 @@ def test_mosaic_hook_passes_kernel_layouts(monkeypatch):
         calls.append((a_q.shape, b_q.shape))
         return R.gemm_blockwise_reference(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
 
-    fake = types.ModuleType("pallas_kernels.fp8.mosaic_gemm")
-    fake.fp8_gemm_blockwise = fp8_gemm_blockwise
-    monkeypatch.setitem(sys.modules, "pallas_kernels.fp8.mosaic_gemm", fake)
+    def fp8_gemm_1d1d(a_q, a_s, b_q, b_s, out_dtype=jnp.float32):
+        assert a_q.dtype == b_q.dtype == jnp.float8_e4m3fn and out_dtype == jnp.float32
+        kk = a_q.shape[1]
+        assert b_q.shape[1] == kk and kk % 128 == 0 and b_q.shape[0] % 128 == 0
+        assert a_s.shape == (a_q.shape[0], kk // 128) and b_s.shape == (b_q.shape[0], kk // 128)
+        wcalls.append((a_q.shape, b_q.shape))
+        return R.gemm_1d1d_reference(a_q, a_s, b_q, b_s, out_dtype=out_dtype)
+
+    monkeypatch.setattr(api.mosaic_gemm, "fp8_gemm_blockwise", fp8_gemm_blockwise)
+    monkeypatch.setattr(api.mosaic_wgrad, "fp8_gemm_1d1d", fp8_gemm_1d1d)
     x, w, r = operands(10, 200, 300, 72)
     outs = {}
     for impl in ("mosaic", "reference"):
@@ -159,16 +164,39 @@ def test_mosaic_hook_passes_kernel_layouts(monkeypatch):
         outs[impl] = (fp8_linear(x, w, impl=impl),) + jax.grad(f, (0, 1))(x, w)
     assert calls  # forward and dgrad went through the kernel
     assert ((256, 384), (128, 384)) in calls and ((256, 128), (384, 128)) in calls
+    assert wcalls == [((300, 256), (128, 256))]  # x^T [K, M 200 -> 256], dy^T [N 72 -> 128, M]
     for a, b in zip(outs["mosaic"], outs["reference"]):
         assert rel(a, b) < 1e-5
 
 
 def test_impl_errors_are_one_line():
-    with pytest.raises(ValueError, match="impl='mosaic' needs pallas_kernels/fp8/mosaic_gemm.py"):
-        if api._mosaic_kernel() is not None:  # the kernel module is installed: nothing to refuse
-            raise ValueError("impl='mosaic' needs pallas_kernels/fp8/mosaic_gemm.py")
-        api.resolve_impl("mosaic")
+    assert api.resolve_impl("mosaic") == "mosaic"
+    assert api.resolve_impl("auto") == ("mosaic" if api.on_hopper() else "reference")
     with pytest.raises(ValueError, match="expected one of auto, reference, mosaic"):
         fp8_linear(jnp.ones((4, 8)), jnp.ones((8, 4)), impl="cuda")
     with pytest.raises(ValueError, match="do not contract"):
         fp8_linear(jnp.ones((4, 8)), jnp.ones((6, 4)))
+
+
+@pytest.mark.parametrize("m,k,n", [(256, 384, 256), (200, 300, 72), (130, 256, 576)])
+def test_fp8_linear_mosaic_kernels_match_the_reference(m, k, n):
+    """impl="mosaic" (the three Mosaic GPU kernels, GPU interpret mode here) against
+    impl="reference": forward and jax.grad in x and w, incl. sizes that are not multiples of
+    128 (padded) and kv_a_proj_with_mqa's 576 output columns. Both sum the same E4M3 products
+    per 128-block in fp32, so they agree to fp32 rounding; the FP8 error vs fp32 (~3.5 %) is
+    printed next to it."""
+    x, w, r = operands(m * 7 + n, m, k, n)
+    outs = {}
+    for impl in ("mosaic", "reference"):
+        f = lambda x, w: jnp.sum(fp8_linear(x, w, impl=impl) * r)  # noqa: E731
+        # one program: eager ops dispatched while an interpreted kernel runs can deadlock
+        # GPU interpret mode's simulator (which runs jax ops of its own on the same device)
+        both = jax.jit(lambda x, w: (fp8_linear(x, w, impl=impl),) + jax.grad(f, (0, 1))(x, w))  # noqa: B023
+        outs[impl] = jax.block_until_ready(both(x, w))
+    exact = (x @ w, r @ w.T, x.T @ r)
+    for name, a, b, ex in zip(("y", "dx", "dw"), outs["mosaic"], outs["reference"], exact):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        print(f"{name}: ||mosaic - reference|| / ||reference|| = {rel(a, b):.1e}; "
+              f"vs fp32: mosaic {rel(a, ex):.3e}, ideal rounding {rel(b, ex):.3e}")
+        assert rel(a, b) < 1e-6, (name, rel(a, b))
+        assert rel(a, ex) < 0.05

@@ -39,6 +39,10 @@ def test_round_trip_bound_and_scale_shapes(shape):
     q, s = R.quantize_cols_128x1(x)
     assert q.shape == (m, k) and s.shape == (cd(m), k)
     assert _within_bound(x, R.dequantize_cols_128x1(q, s), R._expand(s, m, 0)).all()
+    qt, st = R.quantize_cols_128x1_t(x)  # the same tiles written transposed, bitwise
+    assert qt.shape == (k, m) and st.shape == (k, cd(m))
+    np.testing.assert_array_equal(np.asarray(qt.astype(jnp.float32)), np.asarray(q.astype(jnp.float32)).T)
+    np.testing.assert_array_equal(np.asarray(st), np.asarray(s).T)
     q, s = R.quantize_blocks_128x128(x)
     assert q.shape == (m, k) and s.shape == (cd(m), cd(k))
     s_full = R._expand(R._expand(s, m, 0), k, 1)
