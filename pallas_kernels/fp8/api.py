@@ -75,8 +75,10 @@ def _one_pad(s, rows: int, cols: int):
     return jnp.pad(s, ((0, rows - s.shape[0]), (0, cols - s.shape[1])), constant_values=1.0)
 
 
-def _gemm_nt(backend, a_q, a_s, b_q, b_s, out_dtype):
-    """a [M, K] (1 x 128 tiles) @ b [N, K] (128 x 128 blocks)^T -> [M, N] in out_dtype."""
+def gemm_nt(backend, a_q, a_s, b_q, b_s, out_dtype):
+    """a [M, K] (1 x 128 tiles) @ b [N, K] (128 x 128 blocks)^T -> [M, N] in out_dtype: the dense
+    FP8 GEMM of the forward and dgrad, on the Mosaic kernel ("mosaic") or dequantised in XLA
+    with fp32 accumulation ("reference")."""
     if backend == "mosaic":
         m, n = a_q.shape[0], b_q.shape[0]
         ap, bp = _pad2(a_q), _pad2(b_q)
@@ -124,7 +126,7 @@ def _fp8_matmul(x, w, backend):
 def _fp8_matmul_fwd(x, w, backend):
     x_q, x_s = ref.quantize_rows_1x128(x)
     w_q, w_s = ref.quantize_blocks_128x128(w)  # [K, N], scales [Kb, Nb]
-    y = _gemm_nt(backend, x_q, x_s, w_q.T, w_s.T, x.dtype)
+    y = gemm_nt(backend, x_q, x_s, w_q.T, w_s.T, x.dtype)
     xt_q, xt_s = ref.quantize_cols_128x1_t(x)  # x^T [K, M], scales [K, Mb]
     y, w_q, xt_q = _in_order(backend, y, w_q, xt_q)
     return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
@@ -133,7 +135,7 @@ def _fp8_matmul_fwd(x, w, backend):
 def _fp8_matmul_bwd(backend, res, dy):
     xt_q, xt_s, w_q, w_s, x_meta, w_meta = res
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
-    dx = _gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)  # dy [M, N] @ (w [K, N])^T
+    dx = gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)  # dy [M, N] @ (w [K, N])^T
     dyt_q, dyt_s = ref.quantize_cols_128x1_t(dy)  # dy^T [N, M], scales [N, Mb]
     dx, dyt_q = _in_order(backend, dx, dyt_q)
     dw = _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)

@@ -23,9 +23,9 @@ GEMMs (custom VJP; the weight is not trained, so the backward is dgrad only, no 
                                   transposed). Residuals: nothing but w itself.
   `fp8_grouped_gemm_frozen(x, w, group_sizes)`  the same per expert, w [E, K, N], rows grouped
                                   consecutively by group_sizes (`pallas_kernels.moe` layout).
-Backends: `_gemm_nt` is the one place that runs a dense FP8 GEMM here ("reference": dequantise
-per block and dot in fp32 at full precision, as `api.py`'s reference; "mosaic": the Hopper
-kernel through `api._gemm_nt`). The grouped GEMMs run the reference on every backend.
+Backends: `api.gemm_nt` runs every dense FP8 GEMM here ("reference": dequantise per block and
+dot in fp32 at full precision; "mosaic": the Hopper kernel). The grouped GEMMs run the reference
+on every backend.
 """
 from __future__ import annotations
 
@@ -111,20 +111,6 @@ class Fp8Weight:
         return cls(jnp.swapaxes(q_oi, -1, -2), jnp.swapaxes(s_oi, -1, -2).astype(jnp.float32))
 
 
-def _dot32(a, b):
-    return jnp.dot(a, b, precision=jax.lax.Precision.HIGHEST, preferred_element_type=jnp.float32)
-
-
-def _gemm_nt(backend, a_q, a_s, b_q, b_s, out_dtype):
-    """a [M, K] (1 x 128 tiles) @ b [N, K] (128 x 128 blocks)^T -> [M, N] in out_dtype: the one
-    place where this module's dense GEMMs meet a kernel."""
-    if backend == "mosaic":
-        return fp8_api._gemm_nt(backend, a_q, a_s, b_q, b_s, out_dtype)
-    a = ref.dequantize_rows_1x128(a_q, a_s)
-    b = ref.dequantize_blocks_128x128(b_q, b_s)
-    return _dot32(a, b.T).astype(out_dtype)
-
-
 # ----------------------------------------------------------------------------- dense
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -134,14 +120,14 @@ def _frozen_matmul(x, q, s, backend):
 
 def _frozen_matmul_fwd(x, q, s, backend):
     x_q, x_s = ref.quantize_rows_1x128(x)
-    y = _gemm_nt(backend, x_q, x_s, q.T, s.T, x.dtype)  # x [M, K] @ (w^T [N, K])^T
+    y = fp8_api.gemm_nt(backend, x_q, x_s, q.T, s.T, x.dtype)  # x [M, K] @ (w^T [N, K])^T
     return y, (q, s, x[:0])
 
 
 def _frozen_matmul_bwd(backend, res, dy):
     q, s, x_meta = res
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
-    dx = _gemm_nt(backend, dy_q, dy_s, q, s, x_meta.dtype)  # dy [M, N] @ (w [K, N])^T
+    dx = fp8_api.gemm_nt(backend, dy_q, dy_s, q, s, x_meta.dtype)  # dy [M, N] @ (w [K, N])^T
     return dx, None, None
 
 
