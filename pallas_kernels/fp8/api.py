@@ -23,9 +23,17 @@ Backends (`impl`):
   "mosaic":    the forward and dgrad GEMMs of `fp8_linear` run
                `pallas_kernels.fp8.mosaic_gemm.fp8_gemm_blockwise(a_q [M, K], a_s [M, K/128],
                b_q [N, K], b_s [N/128, K/128], out_dtype)` (Hopper, wgmma), operands zero-padded
-               to multiples of 128; the wgrad GEMM (both operands scaled per row, DeepGEMM's
-               1D1D) and the grouped GEMMs stay on the reference until kernels for them exist.
-               ValueError when the kernel module is absent.
+               to multiples of 128; its wgrad GEMM (both operands scaled per row, DeepGEMM's
+               1D1D) stays on the reference until a kernel for it exists.
+               `fp8_grouped_gemm`'s three GEMMs all run kernels: forward and dgrad
+               `mosaic_gemm.fp8_gmm_blockwise(a_q [M, C], a_s [M, C/128], b_q [E, R, C],
+               b_s [E, R/128, C/128], group_sizes)` with b = w_e^T (the transposed fp8 copy of
+               the quantised experts [E, N, K], scales [E, N/128, K/128]) and b = w_e
+               ([E, K, N] and scales [E, K/128, N/128] as quantised: K the output), wgrad
+               `mosaic_grouped_wgrad.fp8_grouped_wgrad(x^T [K, P], x scales [P/128, K],
+               dy^T [N, P], dy scales [P/128, N], group_sizes)` on the group-padded 128 x 1
+               operands (fp32 [E, K, N], cast to w's dtype); K and N zero-padded to multiples
+               of 128. ValueError when a kernel module is absent.
   "auto":      "mosaic" on a Hopper GPU when that module is present, else "reference".
 """
 from __future__ import annotations
@@ -158,10 +166,52 @@ def _dequantize_experts(q, s):
     return jax.vmap(ref.dequantize_blocks_128x128)(q, s)
 
 
-def _grouped_wgrad_operand(x, group_sizes):
-    """x [M, C] -> its group-padded copy quantised in 128 x 1 tiles: (q [P, C], s [P/128, C])."""
+def _grouped_kernels():
+    """(`mosaic_gemm.fp8_gmm_blockwise`, `mosaic_grouped_wgrad.fp8_grouped_wgrad`), or None
+    where a kernel module (or function) is absent."""
+    try:
+        from pallas_kernels.fp8.mosaic_gemm import fp8_gmm_blockwise
+        from pallas_kernels.fp8.mosaic_grouped_wgrad import fp8_grouped_wgrad
+    except ImportError:
+        return None
+    return fp8_gmm_blockwise, fp8_grouped_wgrad
+
+
+def _grouped_wgrad_operand(backend, x, group_sizes):
+    """x [M, C] -> its group-padded copy quantised in 128 x 1 tiles: "reference": (q [P, C],
+    s [P/128, C]); "mosaic": (q^T [Cp, P], s [P/128, Cp]), C zero-padded to Cp, a multiple of
+    128 (the wgrad kernel reads the tokens contiguous)."""
     x_p, _, _ = ref.pad_groups(x, group_sizes)
-    return ref.quantize_cols_128x1(x_p)
+    q, s = ref.quantize_cols_128x1(x_p)
+    if backend == "mosaic":
+        return ref._pad_to(q, 1).T, ref._pad_to(s, 1)
+    return q, s
+
+
+def _grouped_gemm_nt(backend, a_q, a_s, b_q, b_s, group_sizes, out_dtype):
+    """Per group a[rows g] [M, C] (1 x 128 tiles) @ b[g] [R, C]^T (128 x 128 blocks, b_q
+    [E, R, C], b_s [E, Rb, Cb]) -> [M, R] in out_dtype; rows past sum(group_sizes) are 0."""
+    r = b_q.shape[1]
+    if backend == "mosaic":
+        gmm = _grouped_kernels()[0]
+        out = gmm(ref._pad_to(a_q, 1), a_s, ref._pad_to(ref._pad_to(b_q, 1), 2), b_s, group_sizes,
+                  out_dtype=out_dtype)
+        return out[:, :r]
+    w_q, w_s = jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2)  # [E, C, R] per expert
+    with jax.default_matmul_precision("highest"):
+        out = grouped_matmul_reference(ref.dequantize_rows_1x128(a_q, a_s), _dequantize_experts(w_q, w_s),
+                                       group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, m, shape, out_dtype):
+    """dw [E, K, N] = shape in out_dtype from `_grouped_wgrad_operand`'s x and dy of m rows."""
+    e, k, n = shape
+    if backend == "mosaic":
+        dw = _grouped_kernels()[1](xt_q, xt_s, dyt_q, dyt_s, group_sizes)
+        return dw[:, :k, :n].astype(out_dtype)
+    _, tile_group, _ = ref._tile_layout(group_sizes, m, ref.BLOCK)
+    return ref.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, e, out_dtype=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -170,32 +220,45 @@ def _fp8_gmm(x, w, group_sizes, backend):
 
 
 def _fp8_gmm_fwd(x, w, group_sizes, backend):
-    del backend  # the grouped GEMMs run on the reference (module docstring)
     x_q, x_s = ref.quantize_rows_1x128(x)
-    w_q, w_s = _quantize_experts(w)
-    with jax.default_matmul_precision("highest"):
-        y = grouped_matmul_reference(ref.dequantize_rows_1x128(x_q, x_s), _dequantize_experts(w_q, w_s),
-                                     group_sizes, preferred_element_type=jnp.float32)
-    xt_q, xt_s = _grouped_wgrad_operand(x, group_sizes)
-    return y.astype(x.dtype), (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
+    w_q, w_s = _quantize_experts(w)  # [E, K, N], scales [E, Kb, Nb]
+    # forward: b = w_e^T [N, K] per expert (K-major, the transposed fp8 copy; a block's scale
+    # is its transpose's)
+    y = _grouped_gemm_nt(backend, x_q, x_s, jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_s, 1, 2),
+                         group_sizes, x.dtype)
+    xt_q, xt_s = _grouped_wgrad_operand(backend, x, group_sizes)
+    return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
 
 
 def _fp8_gmm_bwd(backend, res, dy):
-    del backend
     xt_q, xt_s, w_q, w_s, group_sizes, x_meta, w_meta = res
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
-    with jax.default_matmul_precision("highest"):
-        dx = grouped_matmul_reference(ref.dequantize_rows_1x128(dy_q, dy_s),
-                                      jnp.swapaxes(_dequantize_experts(w_q, w_s), 1, 2), group_sizes,
-                                      preferred_element_type=jnp.float32)
-    dyt_q, dyt_s = _grouped_wgrad_operand(dy, group_sizes)
-    _, tile_group, _ = ref._tile_layout(group_sizes, dy.shape[0], ref.BLOCK)
-    dw = ref.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, w_q.shape[0],
-                                     out_dtype=w_meta.dtype)
-    return dx.astype(x_meta.dtype), dw, None
+    # dgrad: dx = dy @ w_e^T, i.e. b = w_e [K, N] as stored (K the output, N the contraction)
+    dx = _grouped_gemm_nt(backend, dy_q, dy_s, w_q, w_s, group_sizes, x_meta.dtype)
+    dyt_q, dyt_s = _grouped_wgrad_operand(backend, dy, group_sizes)
+    dw = _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0], w_q.shape,
+                        w_meta.dtype)
+    return dx, dw, None
 
 
 _fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
+
+
+def resolve_grouped_impl(impl: str) -> str:
+    """"reference" or "mosaic" for `fp8_grouped_gemm` (as `resolve_impl`, with the grouped
+    kernels `fp8_gmm_blockwise` and `mosaic_grouped_wgrad.fp8_grouped_wgrad`).
+
+    Raises:
+      ValueError: unknown impl, or impl="mosaic" without the grouped kernels.
+    """
+    backend = resolve_impl(impl)
+    if backend == "mosaic" and _grouped_kernels() is None:
+        if impl == "mosaic":
+            raise ValueError("fp8: impl='mosaic' needs pallas_kernels/fp8/mosaic_gemm.py "
+                             "(fp8_gmm_blockwise) and mosaic_grouped_wgrad.py, which are not "
+                             "installed; use impl='reference'")
+        return "reference"
+    return backend
 
 
 def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
@@ -206,7 +269,7 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
       x: [M, K] in the compute dtype, rows sorted by expert; w: [E, K, N] ([in, out] per
         expert), any float dtype; group_sizes: [E] int, sum <= M (rows past the sum give zeros
         and get zero gradients; empty experts allowed).
-      impl: "auto" | "reference" | "mosaic"; all run the reference today (module docstring).
+      impl: "auto" | "reference" | "mosaic" (module docstring; `resolve_grouped_impl`).
     Returns:
       [M, N] in x.dtype. Differentiable in x and w (gradients in their dtypes); group_sizes
       gets none. Forward: x 1 x 128, w 128 x 128 per expert; dgrad: dy 1 x 128, w^T blocks;
@@ -217,6 +280,4 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
     if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"fp8_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, group_sizes "
                          f"{list(group_sizes.shape)} do not fit (want x [M, K], w [E, K, N], [E])")
-    if impl not in IMPLS:
-        raise ValueError(f"fp8: impl={impl!r}: expected one of {', '.join(IMPLS)}")
-    return _fp8_gmm(x, w, group_sizes.astype(jnp.int32), "reference")
+    return _fp8_gmm(x, w, group_sizes.astype(jnp.int32), resolve_grouped_impl(impl))
