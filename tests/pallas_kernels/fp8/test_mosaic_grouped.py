@@ -22,6 +22,14 @@ E = 4
 GROUPS = {"empty": (100, 0, 37, 163), "all": (0, 0, 300, 0)}
 
 
+def finished(out):
+    """out once its program, interpret mode's host callbacks included, has completed: a callback
+    still running when the next eager op is dispatched can deadlock the two."""
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    return out
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     assert np.all(np.isfinite(a)), "non-finite output"
@@ -51,7 +59,7 @@ def test_grouped_wgrad_matches_reference(groups, tile_n):
     m, k, n = 320, 256, 256  # 20 rows past sum(group_sizes), dropped by pad_groups
     (xq, xs), (dq, ds), tile_group = wgrad_operands(len(groups) + tile_n, m, k, n, gs)
     want = R.grouped_wgrad_reference(xq, xs, dq, ds, tile_group, E)
-    got = fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=WgradConfig(tile_n=tile_n))
+    got = finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=WgradConfig(tile_n=tile_n)))
     assert got.shape == (E, k, n) and got.dtype == jnp.float32
     assert rel(got, want) < 1e-6
     for g in range(E):
@@ -66,12 +74,12 @@ def test_grouped_wgrad_scales_are_applied_per_tile_row_and_column():
     contribution of that tile to row k or column n of its expert's gradient."""
     gs = jnp.asarray(GROUPS["empty"], jnp.int32)
     (xq, xs), (dq, ds), tile_group = wgrad_operands(5, 300, 256, 256, gs)
-    base = np.asarray(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
+    base = np.asarray(finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs)))
     first, count = (np.asarray(a) for a in group_tiles(gs))
     assert count.tolist() == [1, 0, 1, 2] and first.tolist() == [0, 1, 1, 2]
     xs2 = xs.at[3, 17].multiply(0.0)   # expert 3's second tile, x channel 17
     ds2 = ds.at[0, 200].multiply(3.0)  # expert 0's tile, dy channel 200
-    got = np.asarray(fp8_grouped_wgrad(xq.T, xs2, dq.T, ds2, gs))
+    got = np.asarray(finished(fp8_grouped_wgrad(xq.T, xs2, dq.T, ds2, gs)))
     want = np.asarray(R.grouped_wgrad_reference(xq, xs2, dq, ds2, tile_group, E))
     assert rel(got, want) < 1e-6
     np.testing.assert_allclose(got[0][:, 200], 3 * base[0][:, 200], rtol=1e-6,
@@ -93,7 +101,7 @@ def test_dgrad_kernel_reads_the_weights_as_quantised(groups):
     dy_q, dy_s = R.quantize_rows_1x128(varied(kd, (m, n)))
     w = jax.random.normal(kw, (E, k, n)) * 0.05
     w_q, w_s = jax.vmap(R.quantize_blocks_128x128)(w)  # [E, K, N], [E, Kb, Nb]
-    got = fp8_gmm_blockwise(dy_q, dy_s, w_q, w_s, gs, out_dtype=jnp.float32)
+    got = finished(fp8_gmm_blockwise(dy_q, dy_s, w_q, w_s, gs, out_dtype=jnp.float32))
     want = R.grouped_gemm_blockwise_reference(dy_q, dy_s, jnp.swapaxes(w_q, 1, 2),
                                               jnp.swapaxes(w_s, 1, 2), gs)
     assert got.shape == (m, k)
@@ -113,9 +121,13 @@ def test_fp8_grouped_gemm_mosaic_matches_reference(m, k, n, groups, dtype):
     r = jax.random.normal(kr, (m, n))
     outs = {}
     for impl in ("mosaic", "reference"):
-        def loss(x, w, impl=impl):
-            return jnp.sum(fp8_grouped_gemm(x, w, gs, impl=impl).astype(jnp.float32) * r)
-        outs[impl] = (fp8_grouped_gemm(x, w, gs, impl=impl),) + jax.grad(loss, (0, 1))(x, w)
+        def forward_and_grads(x, w, impl=impl):  # one program: no eager op beside the kernels
+            def loss(x, w):
+                y = fp8_grouped_gemm(x, w, gs, impl=impl)
+                return jnp.sum(y.astype(jnp.float32) * r), y
+            (_, y), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
+            return (y,) + grads
+        outs[impl] = finished(jax.jit(forward_and_grads)(x, w))
     (y, dx, dw), (y_r, dx_r, dw_r) = outs["mosaic"], outs["reference"]
     assert (y.dtype, dx.dtype, dw.dtype) == (dtype, dtype, jnp.float32)
     assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (E, k, n)
@@ -142,7 +154,7 @@ def test_wgrad_no_races(kernel_races, monkeypatch):
     monkeypatch.setattr(mw, "default_interpret", lambda: _hopper.interpret_params(detect_races=True))
     gs = jnp.asarray((60, 0, 200, 0), jnp.int32)
     (xq, xs), (dq, ds), _ = wgrad_operands(3, 260, 256, 256, gs)
-    jax.block_until_ready(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
+    finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
     assert len(kernel_races) == 1 and not any(kernel_races), kernel_races
 
 
