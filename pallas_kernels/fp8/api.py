@@ -251,6 +251,8 @@ def resolve_grouped_impl(impl: str) -> str:
     Raises:
       ValueError: unknown impl, or impl="mosaic" without the grouped kernels.
     """
+    if impl == "auto" and not on_hopper():  # decided without importing the kernel modules
+        return "reference"
     backend = resolve_impl(impl)
     if backend == "mosaic" and _grouped_kernels() is None:
         if impl == "mosaic":

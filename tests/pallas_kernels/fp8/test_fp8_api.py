@@ -152,6 +152,9 @@ def test_mosaic_hook_passes_kernel_layouts(monkeypatch):
     fake = types.ModuleType("pallas_kernels.fp8.mosaic_gemm")
     fake.fp8_gemm_blockwise = fp8_gemm_blockwise
     monkeypatch.setitem(sys.modules, "pallas_kernels.fp8.mosaic_gemm", fake)
+    # `from pallas_kernels.fp8 import mosaic_gemm` reads the package's attribute first, set
+    # once any test module has imported the real one
+    monkeypatch.setattr(sys.modules["pallas_kernels.fp8"], "mosaic_gemm", fake, raising=False)
     x, w, r = operands(10, 200, 300, 72)
     outs = {}
     for impl in ("mosaic", "reference"):
