@@ -25,6 +25,20 @@ and the experts' fused gate|up 2048 -> 2816 and down 1408 -> 2048. Columns:
              the weights are quantised once, outside
   quant ms   the activation quantisation alone
 
+Expert rows also time the backward's two grouped GEMMs (a second table), each pre-quantised
+("ours") and with its operands' quantisation in the timed call ("ours +q"):
+
+  dgrad      dx [M, K] = dy [M, N] @ w_e^T: bf16 `mosaic_gpu.gmm(dy, w [E, K, N],
+             transpose_rhs=True)` against `fp8_gmm_blockwise(dy_q, dy_s, w_q [E, K, N], w_s)`
+             (dy in 1 x 128 tiles, the weights' 128 x 128 blocks read as [K(out), N(contraction)])
+  wgrad      dw [E, K, N] = x_e^T @ dy_e per expert: bf16 `mosaic_tgmm.tgmm(x, dy)` (bf16 dw)
+             against `mosaic_grouped_wgrad.fp8_grouped_wgrad` (fp32 dw; x and dy group-padded to
+             128 rows per expert and quantised in 128 x 1 tiles, stored transposed); "+q" adds
+             the padding, quantisation and transposition (jnp fusions)
+
+Their errors: relative L2 of ours against the fp32 product of the dequantised operands (first 4
+groups), and of that against the fp32 product of the unquantised ones ("quant").
+
 TFLOP/s count 2 M N K of the real shape; K and N not multiples of 128 (10944, 576) are padded
 with zeros for ours (the padded work counts as waste). Errors (relative L2): "ours" against the
 fp32 sum of the dequantised block products (the kernel's own error; `ideal` is that reference
@@ -198,6 +212,94 @@ def build(name, spec, tokens, key, shapes_only=False):
     progs += [("ours +q", ours_q, (a, b_q, b_s) + tail), ("quant", jax.jit(quant_rows), (a,))]
     return dict(m=m, n=n, k=k, e=e, a=a, w=w, w0=w0, gs=gs, a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s,
                 progs=progs)
+
+
+def wgrad_operands(x, dy, gs):
+    """x [M, K], dy [M, N] -> the grouped wgrad kernel's operands: group-padded (each group's
+    rows start on a 128-row tile), quantised in 128 x 1 tiles, transposed: (xt_q [K, P],
+    xt_s [P/128, K], dyt_q [N, P], dyt_s [P/128, N])."""
+    from pallas_kernels.fp8 import reference as R
+    out = []
+    for t in (x, dy):
+        q, s = R.quantize_cols_128x1(R.pad_groups(_pad_to(t, 1, BLOCK), gs)[0])
+        out += [q.T, s]
+    return tuple(out)
+
+
+def build_grouped_bwd(row, key, shapes_only=False):
+    """The expert row's backward programs: dict(dy, progs {"dgrad" | "wgrad": [(label, jitted
+    fn, args)]}, operands for the errors). Forward GEMM x [M, K] @ w_e^T, w [E, N, K] ([out, in])."""
+    import jax
+    import jax.numpy as jnp
+
+    from pallas_kernels.fp8.mosaic_gemm import fp8_gmm_blockwise
+    from pallas_kernels.fp8.mosaic_grouped_wgrad import fp8_grouped_wgrad
+    from pallas_kernels.moe import mosaic_gpu, mosaic_tgmm
+
+    m, n, e = row["m"], row["n"], row["e"]
+    run = jax.eval_shape if shapes_only else (lambda f, *x: jax.jit(f)(*x))
+    if shapes_only:
+        dy = jax.ShapeDtypeStruct((m, n), jnp.bfloat16)
+    else:
+        dy = jax.random.normal(key, (m, n), jnp.float32).astype(jnp.bfloat16)
+    a, w, gs = row["a"], row["w"], row["gs"]
+    w_kn = run(lambda w: jnp.swapaxes(w, 1, 2), w)  # [E, K, N] bf16: dx = dy @ w_kn[g]^T
+    wt_q, wt_s = run(quant_blocks, w_kn)            # [E, Kp, Np], [E, Kp/128, Np/128]
+    dy_q, dy_s = run(quant_rows, dy)
+    wg_ops = run(wgrad_operands, a, dy, gs)
+    dgrad = [("bf16", jax.jit(lambda dy, w, gs: mosaic_gpu.gmm(dy, w, gs, transpose_rhs=True)),
+              (dy, w_kn, gs)),
+             ("ours", jax.jit(lambda *x: fp8_gmm_blockwise(*x)), (dy_q, dy_s, wt_q, wt_s, gs)),
+             ("ours +q", jax.jit(lambda dy, wq, ws, gs: fp8_gmm_blockwise(*quant_rows(dy), wq, ws, gs)),
+              (dy, wt_q, wt_s, gs))]
+    wgrad = [("bf16", jax.jit(lambda x, dy, gs: mosaic_tgmm.tgmm(x, dy, gs)), (a, dy, gs)),
+             ("ours", jax.jit(lambda *x: fp8_grouped_wgrad(*x)), wg_ops + (gs,)),
+             ("ours +q", jax.jit(lambda x, dy, gs: fp8_grouped_wgrad(*wgrad_operands(x, dy, gs), gs)),
+              (a, dy, gs))]
+    return dict(dy=dy, dy_q=dy_q, dy_s=dy_s, wt_q=wt_q, wt_s=wt_s, wg_ops=wg_ops,
+                progs={"dgrad": dgrad, "wgrad": wgrad})
+
+
+def grouped_bwd_errors(row, bwd, outs):
+    """{"dgrad" | "wgrad": (err ours, err quant)} on the first 4 groups (module docstring)."""
+    import jax.numpy as jnp
+    hp = "highest"
+    err = lambda x, ref: float(jnp.linalg.norm(x.astype(jnp.float32) - ref) / jnp.linalg.norm(ref))
+    k, n = row["k"], row["n"]
+    gs = [int(g) for g in row["gs"]]
+    starts = [sum(gs[:g]) for g in range(len(gs))]
+    res = {}
+    # dgrad: rows of groups 0..3
+    hi = sum(gs[:4])
+    dyd = dequant(bwd["dy_q"], bwd["dy_s"])[:hi]
+    refs_q, refs_x = [], []
+    for g in range(min(4, len(gs))):
+        rows = slice(starts[g], starts[g] + gs[g])
+        wd = dequant(bwd["wt_q"][g], bwd["wt_s"][g])  # [Kp, Np]
+        refs_q.append(jnp.dot(dyd[rows], wd.T, precision=hp)[:, :k])
+        refs_x.append(jnp.dot(bwd["dy"][rows].astype(jnp.float32),
+                              row["w"][g].astype(jnp.float32), precision=hp))
+    ref_q, ref_x = jnp.concatenate(refs_q), jnp.concatenate(refs_x)
+    res["dgrad"] = (err(outs["dgrad"][:hi, :k], ref_q), err(ref_q, ref_x))
+    # wgrad: groups 0..3 from the tiles of each
+    p4 = sum(-(-g // BLOCK) for g in gs[:4]) * BLOCK  # the padded rows of groups 0..3
+    xt_q, xt_s, dyt_q, dyt_s = (o[..., :p4] if i % 2 == 0 else o[:p4 // BLOCK]
+                                for i, o in enumerate(bwd["wg_ops"]))
+    xd = xt_q.astype(jnp.float32) * jnp.repeat(xt_s.T, BLOCK, axis=1)     # [Kp, p4]
+    dd = dyt_q.astype(jnp.float32) * jnp.repeat(dyt_s.T, BLOCK, axis=1)   # [Np, p4]
+    e_q, e_x = [], []
+    t0 = 0
+    for g in range(min(4, len(gs))):
+        cols = slice(t0 * BLOCK, (t0 + -(-gs[g] // BLOCK)) * BLOCK)
+        t0 += -(-gs[g] // BLOCK)
+        rows = slice(starts[g], starts[g] + gs[g])
+        e_q.append((outs["wgrad"][g][:k, :n], jnp.dot(xd[:k, cols], dd[:n, cols].T, precision=hp)))
+        e_x.append(jnp.dot(row["a"][rows].astype(jnp.float32).T,
+                           bwd["dy"][rows].astype(jnp.float32), precision=hp))
+    got = jnp.stack([o for o, _ in e_q])
+    ref_q = jnp.stack([r for _, r in e_q])
+    res["wgrad"] = (err(got, ref_q), err(ref_q, jnp.stack(e_x)))
+    return res
 
 
 def errors(row, outs):
@@ -408,6 +510,15 @@ def dry_run(names, tokens, passes=("fwd",)):
                     extra = f" Mosaic GPU calls: {calls}"
                 print(f"{name:<15} {pass_:<6} {label:<9} compiled for {dev.device_kind} in "
                       f"{time.perf_counter() - t0:.1f} s{extra}", flush=True)
+            if not row["e"]:
+                continue
+            for gemm, progs in build_grouped_bwd(row, None, shapes_only=True)["progs"].items():
+                for label, fn, args in progs:
+                    t0 = time.perf_counter()
+                    text = fn.lower(*map(abstract, args)).compile().as_text()
+                    calls = text.count('custom_call_target="mosaic_gpu')
+                    print(f"{name:<15} {gemm} {label:<9} compiled for {dev.device_kind} in "
+                          f"{time.perf_counter() - t0:.1f} s Mosaic GPU calls: {calls}", flush=True)
     return 0
 
 
@@ -445,7 +556,7 @@ def main(argv=None) -> int:
     specs = dict(ROWS)
     if args.tiny:
         specs, names, args.tokens, args.iters, args.reps = TINY, list(TINY), 256, 1, 1
-    table = []
+    table, bwd_table = [], []  # the expert rows' backward GEMMs run with their forward ("fwd")
     for i, name in enumerate(names if "fwd" in passes else []):
         row = build(name, specs[name], args.tokens, jax.random.key(i))
         outs, ms, lt = {}, {}, None
@@ -455,11 +566,24 @@ def main(argv=None) -> int:
                 lt = xla_route(fn.lower(*fargs).compile().as_text())
             ms[label] = seconds(fn, fargs, args.iters, args.reps) * 1e3
         errs = errors(row, outs)
-        flops = 2 * row["m"] * row["n"] * row["k"]
-        tf = {lb: flops / t / 1e9 for lb, t in ms.items() if lb != "quant"}
+        tf = {lb: flops_of(row) / t / 1e9 for lb, t in ms.items() if lb != "quant"}
         table.append((name, row, tf, ms["quant"], lt, errs))
         print(name, {k: round(v) for k, v in tf.items()}, f"quant {ms['quant']:.3f} ms", lt,
               {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
+        if row["e"]:
+            bwd = build_grouped_bwd(row, jax.random.key(100 + i))
+            bouts, btf = {}, {}
+            for gemm, progs in bwd["progs"].items():
+                for label, fn, fargs in progs:
+                    out = fn(*fargs)
+                    if label == "ours":
+                        bouts[gemm] = out
+                    btf[gemm, label] = flops_of(row) / seconds(fn, fargs, args.iters, args.reps) / 1e12
+            berrs = grouped_bwd_errors(row, bwd, bouts)
+            bwd_table.append((name, row, btf, berrs))
+            print(name, "backward", {f"{g} {lb}": round(v) for (g, lb), v in btf.items()},
+                  {g: f"{a:.1e} / {b:.1e}" for g, (a, b) in berrs.items()}, flush=True)
+            del bwd, bouts
         del row, outs
     dev = jax.devices()[0]
     print(f"\n{dev.device_kind}, jax {jax.__version__}; median of {args.reps} x {args.iters} calls; "
@@ -474,8 +598,21 @@ def main(argv=None) -> int:
               f"| {tf.get('ours 256', float('nan')):.0f} | {tf['ours +q']:.0f} | {qms:.3f} "
               f"| {errs['ours']:.1e} | {errs['ideal']:.1e} | {errs['quant']:.1e} "
               f"| {errs['f8 xla']:.1e} |")
+    if bwd_table:
+        print("\nExpert rows' backward GEMMs (TFLOP/s of 2 M N K; errors: ours vs the dequantised "
+              "operands' fp32 product / that vs the unquantised one)\n")
+        print("| row | GEMM | bf16 | ours | ours +q | err ours | err quant |\n" + "|---" * 7 + "|")
+        for name, row, btf, berrs in bwd_table:
+            for gemm in ("dgrad", "wgrad"):
+                print(f"| {name} | {gemm} | {btf[gemm, 'bf16']:.0f} | {btf[gemm, 'ours']:.0f} "
+                      f"| {btf[gemm, 'ours +q']:.0f} | {berrs[gemm][0]:.1e} | {berrs[gemm][1]:.1e} |")
     run_passes([p for p in passes if p != "fwd"], names, specs, args.tokens, args.iters, args.reps)
     return 0
+
+
+def flops_of(row):
+    """2 M N K of a row's real shape (each of the three GEMMs of a linear layer)."""
+    return 2 * row["m"] * row["n"] * row["k"]
 
 
 if __name__ == "__main__":

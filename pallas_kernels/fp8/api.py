@@ -22,14 +22,20 @@ Backends (`impl`):
   "reference": XLA on any device: dequantise to fp32 and dot with fp32 accumulation at full
                precision (equal to the kernels' per-128-K promotion up to fp32 rounding; the
                weight gradient of the grouped GEMM is the promotion itself, one tile at a time).
-  "mosaic":    `fp8_linear`'s three GEMMs run the Mosaic GPU kernels (Hopper, wgmma; GPU
-               interpret mode elsewhere, for tests): forward and dgrad
-               `mosaic_gemm.fp8_gemm_blockwise(a_q [M, K], a_s [M, K/128], b_q [N, K],
-               b_s [N/128, K/128])` (the forward with w's blocks transposed, [N, K]; the
-               dgrad with them as quantised, [K, N]: w is quantised once), the wgrad
-               `mosaic_wgrad.fp8_gemm_1d1d(x^T [K, M], s [K, M/128], dy^T [N, M],
-               s [N, M/128])` with fp32 output. Operands are zero-padded to multiples of 128
-               (padded scales are 1), outputs sliced back. The grouped GEMMs run the reference.
+  "mosaic":    the Mosaic GPU kernels (Hopper, wgmma; GPU interpret mode elsewhere, for tests).
+               `fp8_linear`: forward and dgrad `mosaic_gemm.fp8_gemm_blockwise(a_q [M, K],
+               a_s [M, K/128], b_q [N, K], b_s [N/128, K/128])` (the forward with w's blocks
+               transposed, [N, K]; the dgrad with them as quantised, [K, N]: w is quantised
+               once), the wgrad `mosaic_wgrad.fp8_gemm_1d1d(x^T [K, M], s [K, M/128],
+               dy^T [N, M], s [N, M/128])` with fp32 output.
+               `fp8_grouped_gemm`: forward and dgrad `mosaic_gemm.fp8_gmm_blockwise(a_q [M, C],
+               a_s [M, C/128], b_q [E, R, C], b_s [E, R/128, C/128], group_sizes)` with b = w_e^T
+               (the transposed fp8 copy of the quantised experts [E, N, K]) and b = w_e ([E, K, N]
+               as quantised: K the output), wgrad `mosaic_grouped_wgrad.fp8_grouped_wgrad(x^T
+               [K, P], x scales [P/128, K], dy^T [N, P], dy scales [P/128, N], group_sizes)` on
+               the group-padded 128 x 1 operands (fp32 [E, K, N], cast to w's dtype).
+               Operands are zero-padded to multiples of 128 (padded scales are 1), outputs
+               sliced back.
   "auto":      "mosaic" on a Hopper GPU, else "reference".
 """
 from __future__ import annotations
@@ -40,7 +46,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._hopper import on_hopper
-from pallas_kernels.fp8 import mosaic_gemm, mosaic_wgrad
+from pallas_kernels.fp8 import mosaic_gemm, mosaic_grouped_wgrad, mosaic_wgrad
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
@@ -179,10 +185,40 @@ def _dequantize_experts(q, s):
     return jax.vmap(ref.dequantize_blocks_128x128)(q, s)
 
 
-def _grouped_wgrad_operand(x, group_sizes):
-    """x [M, C] -> its group-padded copy quantised in 128 x 1 tiles: (q [P, C], s [P/128, C])."""
+def _grouped_wgrad_operand(backend, x, group_sizes):
+    """x [M, C] -> its group-padded copy quantised in 128 x 1 tiles: "reference": (q [P, C],
+    s [P/128, C]); "mosaic": (q^T [Cp, P], s [P/128, Cp]), C zero-padded to Cp, a multiple of
+    128 (the wgrad kernel reads the tokens contiguous)."""
     x_p, _, _ = ref.pad_groups(x, group_sizes)
-    return ref.quantize_cols_128x1(x_p)
+    q, s = ref.quantize_cols_128x1(x_p)
+    if backend == "mosaic":
+        return ref._pad_to(q, 1).T, ref._pad_to(s, 1)
+    return q, s
+
+
+def _grouped_gemm_nt(backend, a_q, a_s, b_q, b_s, group_sizes, out_dtype):
+    """Per group a[rows g] [M, C] (1 x 128 tiles) @ b[g] [R, C]^T (128 x 128 blocks, b_q
+    [E, R, C], b_s [E, Rb, Cb]) -> [M, R] in out_dtype; rows past sum(group_sizes) are 0."""
+    r = b_q.shape[1]
+    if backend == "mosaic":
+        out = mosaic_gemm.fp8_gmm_blockwise(ref._pad_to(a_q, 1), a_s, ref._pad_to(ref._pad_to(b_q, 1), 2), b_s, group_sizes,
+                  out_dtype=out_dtype)
+        return out[:, :r]
+    w_q, w_s = jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2)  # [E, C, R] per expert
+    with jax.default_matmul_precision("highest"):
+        out = grouped_matmul_reference(ref.dequantize_rows_1x128(a_q, a_s), _dequantize_experts(w_q, w_s),
+                                       group_sizes, preferred_element_type=jnp.float32)
+    return out.astype(out_dtype)
+
+
+def _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, m, shape, out_dtype):
+    """dw [E, K, N] = shape in out_dtype from `_grouped_wgrad_operand`'s x and dy of m rows."""
+    e, k, n = shape
+    if backend == "mosaic":
+        dw = mosaic_grouped_wgrad.fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes)
+        return dw[:, :k, :n].astype(out_dtype)
+    _, tile_group, _ = ref._tile_layout(group_sizes, m, ref.BLOCK)
+    return ref.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, e, out_dtype=out_dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
@@ -191,29 +227,25 @@ def _fp8_gmm(x, w, group_sizes, backend):
 
 
 def _fp8_gmm_fwd(x, w, group_sizes, backend):
-    del backend  # the grouped GEMMs run on the reference (module docstring)
     x_q, x_s = ref.quantize_rows_1x128(x)
-    w_q, w_s = _quantize_experts(w)
-    with jax.default_matmul_precision("highest"):
-        y = grouped_matmul_reference(ref.dequantize_rows_1x128(x_q, x_s), _dequantize_experts(w_q, w_s),
-                                     group_sizes, preferred_element_type=jnp.float32)
-    xt_q, xt_s = _grouped_wgrad_operand(x, group_sizes)
-    return y.astype(x.dtype), (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
+    w_q, w_s = _quantize_experts(w)  # [E, K, N], scales [E, Kb, Nb]
+    # forward: b = w_e^T [N, K] per expert (K-major, the transposed fp8 copy; a block's scale
+    # is its transpose's)
+    y = _grouped_gemm_nt(backend, x_q, x_s, jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_s, 1, 2),
+                         group_sizes, x.dtype)
+    xt_q, xt_s = _grouped_wgrad_operand(backend, x, group_sizes)
+    return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
 
 
 def _fp8_gmm_bwd(backend, res, dy):
-    del backend
     xt_q, xt_s, w_q, w_s, group_sizes, x_meta, w_meta = res
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
-    with jax.default_matmul_precision("highest"):
-        dx = grouped_matmul_reference(ref.dequantize_rows_1x128(dy_q, dy_s),
-                                      jnp.swapaxes(_dequantize_experts(w_q, w_s), 1, 2), group_sizes,
-                                      preferred_element_type=jnp.float32)
-    dyt_q, dyt_s = _grouped_wgrad_operand(dy, group_sizes)
-    _, tile_group, _ = ref._tile_layout(group_sizes, dy.shape[0], ref.BLOCK)
-    dw = ref.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, w_q.shape[0],
-                                     out_dtype=w_meta.dtype)
-    return dx.astype(x_meta.dtype), dw, None
+    # dgrad: dx = dy @ w_e^T, i.e. b = w_e [K, N] as stored (K the output, N the contraction)
+    dx = _grouped_gemm_nt(backend, dy_q, dy_s, w_q, w_s, group_sizes, x_meta.dtype)
+    dyt_q, dyt_s = _grouped_wgrad_operand(backend, dy, group_sizes)
+    dw = _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0], w_q.shape,
+                        w_meta.dtype)
+    return dx, dw, None
 
 
 _fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
@@ -227,7 +259,7 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
       x: [M, K] in the compute dtype, rows sorted by expert; w: [E, K, N] ([in, out] per
         expert), any float dtype; group_sizes: [E] int, sum <= M (rows past the sum give zeros
         and get zero gradients; empty experts allowed).
-      impl: "auto" | "reference" | "mosaic"; all run the reference today (module docstring).
+      impl: "auto" | "reference" | "mosaic" (module docstring; `resolve_impl`).
     Returns:
       [M, N] in x.dtype. Differentiable in x and w (gradients in their dtypes); group_sizes
       gets none. Forward: x 1 x 128, w 128 x 128 per expert; dgrad: dy 1 x 128, w^T blocks;
@@ -238,6 +270,4 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
     if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"fp8_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, group_sizes "
                          f"{list(group_sizes.shape)} do not fit (want x [M, K], w [E, K, N], [E])")
-    if impl not in IMPLS:
-        raise ValueError(f"fp8: impl={impl!r}: expected one of {', '.join(IMPLS)}")
-    return _fp8_gmm(x, w, group_sizes.astype(jnp.int32), "reference")
+    return _fp8_gmm(x, w, group_sizes.astype(jnp.int32), resolve_impl(impl))

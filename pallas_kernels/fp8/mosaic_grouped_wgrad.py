@@ -1,0 +1,249 @@
+"""FP8 weight gradient of the routed experts on Hopper ("1D1D", K-grouped), in Pallas Mosaic GPU.
+
+Legend: E experts, K and N the widths of x and dy (dw [E, K, N]), P rows of the group-padded
+layout (a multiple of 128: every 128-row token tile belongs to one expert,
+`reference.pad_groups`), T = P / 128 token tiles, tn CTA columns, wg warpgroup.
+
+dw[e] = sum over expert e's token tiles t of (xt_q[:, t] . dyt_q[:, t]) * xt_s[t, k] * dyt_s[t, n]
+
+where xt_q [K, P] and dyt_q [N, P] are the E4M3 operands stored transposed (tokens contiguous:
+Hopper's 8-bit wgmma reads both operands K-major from shared memory, the contraction here being
+the tokens), xt_s [T, K] and dyt_s [T, N] their fp32 scales, one per channel and 128 tokens
+(128 x 1 tiles of x and dy; DeepSeek-V3 tech report, arXiv 2412.19437, sec. 3.3; DeepGEMM's
+K-grouped wgrad GEMM). Both scales vary along the output: the promotion of each token tile's
+partial product multiplies it by the outer product of a row vector (x's scales) and a column
+vector (dy's scales).
+
+Kernel: persistent (one CTA per SM looping over (expert, 128-row tile of K, tn-column tile of N)
+work items) and warp-specialized: one TMA warpgroup streams [128, 128] tiles of xt_q and
+[tn, 128] tiles of dyt_q of the expert's token tiles through a ring of shared-memory stages
+(the step count is the expert's tile count, a dynamic grid); two compute warpgroups each own 64
+rows (one wgmma M tile) x tn columns. Per token tile each warpgroup runs one 128-column block
+at a time into a fresh fp32 accumulator (4 fp8 wgmma of K 32), then adds it times
+xt_s[t, rows] (x) dyt_s[t, cols] into an fp32 sum in registers (sum 64 x tn / 128 and
+accumulator 64 registers per thread, plus 32 of the block's column scales); the two warpgroups'
+alternation hides one's fold behind the other's wgmma. The scales are loaded from global memory
+(contiguous in both: [T, K] and [T, N]) before the step's wgmma is waited for. Experts without
+rows give zeros; the output is fp32 (the weight gradient is kept in high precision).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._hopper import default_interpret, lower_once, num_sms
+from pallas_kernels.fp8.mosaic_gemm import BLOCK, FP8, ROW, TILE_M, WG_ROWS, WGMMA, _transforms
+
+COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [rows, cols] WGMMA tile
+_EPI = 64                           # output staged and stored in 64 x 64 sub-tiles
+_SMEM_BYTES = 227 * 1024 - 2048
+
+
+@dataclasses.dataclass(frozen=True)
+class WgradConfig:
+    """Tiles and pipeline of `fp8_grouped_wgrad`.
+
+    tile_n: CTA columns of dw, 128 or 256 (a warpgroup's fp32 sum is 64 x tile_n).
+    max_concurrent_steps: shared-memory stages of the xt_q / dyt_q ring (capped by shared
+    memory). memory_registers: registers per thread of the TMA warpgroup.
+    """
+    tile_n: int = 128
+    max_concurrent_steps: int = 4
+    memory_registers: int = 40
+
+
+DEFAULT_CONFIG = WgradConfig()
+
+
+def group_tiles(group_sizes):
+    """(first token tile [E], token tiles [E]) of each group in the group-padded layout of
+    `reference.pad_groups` (groups in order, each padded to a multiple of 128 rows), int32."""
+    count = (group_sizes.astype(jnp.int32) + BLOCK - 1) // BLOCK
+    return jnp.cumsum(count) - count, count
+
+
+def check_operands(xt_q, xt_s, dyt_q, dyt_s, group_sizes, config=DEFAULT_CONFIG):
+    """Raise ValueError unless the operands fit `fp8_grouped_wgrad` (its docstring)."""
+    if any(a.ndim != 2 for a in (xt_q, xt_s, dyt_q, dyt_s)) or group_sizes.ndim != 1:
+        raise ValueError(f"fp8 grouped wgrad needs 2-d operands and scales and 1-d group_sizes, got "
+                         f"xt_q {xt_q.shape}, xt_s {xt_s.shape}, dyt_q {dyt_q.shape}, dyt_s "
+                         f"{dyt_s.shape}, group_sizes {group_sizes.shape}")
+    if xt_q.dtype != FP8 or dyt_q.dtype != FP8:
+        raise ValueError(f"fp8 grouped wgrad needs float8_e4m3fn xt_q and dyt_q, got "
+                         f"{xt_q.dtype}, {dyt_q.dtype}")
+    if xt_s.dtype != jnp.float32 or dyt_s.dtype != jnp.float32:
+        raise ValueError(f"fp8 grouped wgrad needs float32 scales, got {xt_s.dtype}, {dyt_s.dtype}")
+    (k, p), n = xt_q.shape, dyt_q.shape[0]
+    if dyt_q.shape[1] != p:
+        raise ValueError(f"token mismatch: xt_q {xt_q.shape}, dyt_q {dyt_q.shape} (want [K, P], [N, P])")
+    if p % BLOCK or k % BLOCK or n % BLOCK:
+        raise ValueError(f"fp8 grouped wgrad needs P, K and N multiples of {BLOCK} (pad with zeros "
+                         f"before quantising), got P={p}, K={k}, N={n}")
+    if xt_s.shape != (p // BLOCK, k) or dyt_s.shape != (p // BLOCK, n):
+        raise ValueError(f"scale shapes xt_s {xt_s.shape}, dyt_s {dyt_s.shape}: want "
+                         f"[{p // BLOCK}, {k}] and [{p // BLOCK}, {n}]")
+    if config.tile_n not in (128, 256) or n % config.tile_n:
+        raise ValueError(f"tile_n={config.tile_n}: expected 128 or 256 dividing N={n}")
+
+
+@lower_once
+def fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes, *, config=None):
+    """dw[e] = x[rows of e]^T @ dy[rows of e] from E4M3 operands in 128 x 1 tiles, per 128-token
+    tile promoted with the outer product of the two scale vectors, fp32 accumulation.
+
+    Args:
+      xt_q: [K, P] float8_e4m3fn: x in the group-padded layout (`reference.pad_groups`),
+        quantised per channel and 128 tokens (`reference.quantize_cols_128x1`), transposed.
+      xt_s: [P/128, K] float32: xt_q[k, 128 t : 128 (t + 1)] stands for those values times
+        xt_s[t, k].
+      dyt_q: [N, P] float8_e4m3fn, dyt_s: [P/128, N] float32: dy the same way.
+      group_sizes: [E] int, rows per group before padding; each group's rows start on a
+        128-row tile of the padded layout, groups in order (sum of the padded sizes <= P).
+      config: WgradConfig (default DEFAULT_CONFIG).
+    Returns:
+      [E, K, N] float32; groups without rows give zeros. Token tiles past the groups' are not
+      read.
+    Raises:
+      ValueError: wrong dtypes or ranks, P, K or N not multiples of 128, scale shapes that do
+        not match, or a bad config.
+    """
+    config = config or DEFAULT_CONFIG
+    check_operands(xt_q, xt_s, dyt_q, dyt_s, group_sizes, config)
+    first, count = group_tiles(group_sizes)
+    return _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config)
+
+
+def _stages(tn, want):
+    step = (TILE_M + tn) * BLOCK  # bytes of one xt_q and one dyt_q tile
+    fixed = 2 * 2 * _EPI * _EPI * 4  # fp32 output staging: two slots per compute warpgroup
+    stages = min(want, (_SMEM_BYTES - fixed) // step)
+    if stages < 2:
+        raise ValueError(f"tiles too large for shared memory: {tn=}")
+    return int(stages)
+
+
+def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
+    k, p = xt_q.shape
+    n = dyt_q.shape[0]
+    e = first.shape[0]
+    tn = config.tile_n
+    n_sub = tn // BLOCK
+    k_iters, n_iters = k // TILE_M, n // tn
+    stages = _stages(tn, config.max_concurrent_steps)
+    in_tr = _transforms(BLOCK, FP8)
+    out_tr = _transforms(_EPI * 4, jnp.float32)
+
+    def make_pipeline(body, context, steps, t0):
+        return plgpu.emit_pipeline_warp_specialized(
+            body,
+            grid=(steps,),
+            memory_registers=config.memory_registers,
+            in_specs=[
+                plgpu.BlockSpec((TILE_M, BLOCK), lambda s: (0, t0 + s), transforms=in_tr),
+                plgpu.BlockSpec((tn, BLOCK), lambda s: (0, t0 + s), transforms=in_tr),
+            ],
+            wg_axis="wg",
+            num_compute_wgs=2,
+            max_concurrent_steps=stages,
+            compute_context=context,
+        )
+
+    def kernel(first_ref, count_ref, a_ref, as_ref, b_ref, bs_ref, o_ref):
+        ignore = lambda *_, **__: None
+        zero_i32 = jnp.asarray(0, jnp.int32)
+        one_i32 = jnp.asarray(1, jnp.int32)  # a dynamic grid, as in the real pipelines
+        slot = plgpu.SMEM((_EPI, _EPI), jnp.float32, transforms=out_tr)
+
+        @functools.partial(
+            pl.run_scoped,
+            allocs=make_pipeline(ignore, ignore, one_i32, zero_i32).get_allocations(
+                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[pl.ds(0, tn), :]),
+            out_smem=tuple(tuple(slot for _ in range(2)) for _ in range(2)),
+            collective_axes="wg",
+        )
+        def _scope(allocs, out_smem):
+            wg = lax.axis_index("wg")
+
+            @plgpu.nd_loop((e * k_iters * n_iters,), collective_axes="sm")
+            def _item(info):
+                (lin,) = info.index
+                g = lin // (k_iters * n_iters)
+                rem = lin % (k_iters * n_iters)
+                ki, ni = rem // n_iters, rem % n_iters
+                t0 = first_ref[g]
+                steps = count_ref[g]
+                r0 = ki * TILE_M + wg * WG_ROWS  # this warpgroup's first row of dw[g]
+                a_rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
+
+                def scales(s):
+                    """[64] ROW scales of x for this warpgroup's rows, n_sub [128] COL scales
+                    of dy, of token tile t0 + s."""
+                    t = t0 + s
+                    sa = plgpu.load(as_ref.at[t, pl.ds(r0, WG_ROWS)], layout=ROW, optimized=False)
+                    sbs = [plgpu.load(bs_ref.at[t, pl.ds(ni * tn + j * BLOCK, BLOCK)], layout=COL,
+                                      optimized=False) for j in range(n_sub)]
+                    return sa, sbs
+
+                def product(a_smem, b_smem, j):
+                    """fp32 partial product of 128-column block j of this step (fresh
+                    accumulator)."""
+                    def mma(acc_ref):
+                        plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[pl.ds(j * BLOCK, BLOCK)].T)
+                        return acc_ref[...]
+                    return pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+
+                def body(idx, a_smem, b_smem, carry):
+                    (s,) = idx
+                    sa, sbs = scales(s)
+                    totals = list(carry)
+                    for j in range(n_sub):
+                        part = product(a_smem, b_smem, j)
+                        part = part * lax.broadcast_in_dim(sa, part.shape, [0])
+                        totals[j] = totals[j] + part * lax.broadcast_in_dim(sbs[j], part.shape, [1])
+                    return tuple(totals)
+
+                def context(run):
+                    zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
+                    totals = run(tuple(zero for _ in range(n_sub)))
+                    _store(totals, out_smem, o_ref.at[g], wg, r0, ni * tn)
+
+                make_pipeline(body, context, steps, t0)(
+                    a_ref.at[pl.ds(ki * TILE_M, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :],
+                    allocations=allocs)
+
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    def _store(totals, out_smem, o_ref, wg, r0, c0):
+        """The warpgroup's [64, tn] fp32 sums to o_ref[r0:, c0:] in 64 x 64 sub-tiles through
+        two staging slots, so that writing one slot overlaps the TMA store from the other."""
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+        i = 0
+        for s, total in enumerate(totals):
+            for j in range(BLOCK // _EPI):
+                sub = total[:, j * _EPI:(j + 1) * _EPI]
+                dst = o_ref.at[pl.ds(r0, WG_ROWS), pl.ds(c0 + s * BLOCK + j * _EPI, _EPI)]
+                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
+                for w in range(2):  # static slot refs: one branch per warpgroup
+                    @pl.when(wg == w)
+                    def _(staged=out_smem[w][i % 2], sub=sub, dst=dst):
+                        staged[...] = sub
+                        plgpu.commit_smem()
+                        plgpu.copy_smem_to_gmem(staged, dst)
+                i += 1
+
+    call = plgpu.kernel(
+        kernel,
+        out_type=jax.ShapeDtypeStruct((e, k, n), jnp.float32),
+        grid=(num_sms(),),
+        grid_names=("sm",),
+        num_threads=3,
+        thread_name="wg",
+        interpret=default_interpret(),
+    )
+    return call(first, count, xt_q, xt_s, dyt_q, dyt_s)

@@ -1,0 +1,174 @@
+"""The grouped (MoE expert) FP8 GEMMs on the Mosaic GPU kernels, in GPU interpret mode: the dgrad
+use of `fp8_gmm_blockwise` (b = the experts' weights as quantised, [E, K, N]) and the 1D1D
+weight-gradient kernel `fp8_grouped_wgrad` against reference.py's promoted sums of the same E4M3
+operands, and `fp8_grouped_gemm(impl="mosaic")` against impl="reference" (forward and jax.grad),
+with an empty expert, an expert holding every row, rows past sum(group_sizes) and widths that
+are not multiples of 128."""
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels import _hopper
+from pallas_kernels.fp8 import api, fp8_grouped_gemm
+from pallas_kernels.fp8 import mosaic_grouped_wgrad as mw
+from pallas_kernels.fp8 import reference as R
+from pallas_kernels.fp8.mosaic_gemm import fp8_gmm_blockwise
+from pallas_kernels.fp8.mosaic_grouped_wgrad import WgradConfig, fp8_grouped_wgrad, group_tiles
+
+E = 4
+# rows 0..299 used; one expert empty / one expert with every row
+GROUPS = {"empty": (100, 0, 37, 163), "all": (0, 0, 300, 0)}
+
+
+def finished(out):
+    """out once its program, interpret mode's host callbacks included, has completed: a callback
+    still running when the next eager op is dispatched can deadlock the two."""
+    jax.block_until_ready(out)
+    jax.effects_barrier()
+    return out
+
+
+def rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.all(np.isfinite(a)), "non-finite output"
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def varied(key, shape):
+    """Normal values, rows and columns of different magnitudes (so that every scale matters)."""
+    k1, k2, k3 = jax.random.split(key, 3)
+    return (jax.random.normal(k1, shape) * jnp.exp(jax.random.normal(k2, (shape[0], 1)))
+            * jnp.exp(0.5 * jax.random.normal(k3, (1, shape[1]))))
+
+
+def wgrad_operands(seed, m, k, n, gs):
+    """x [m, k], dy [m, n] -> their group-padded 128 x 1 quantisations (reference layout) and
+    the tile -> group map."""
+    kx, kd = jax.random.split(jax.random.key(seed))
+    x, dy = varied(kx, (m, k)), varied(kd, (m, n))
+    x_p, tile_group, _ = R.pad_groups(x, gs)
+    dy_p, _, _ = R.pad_groups(dy, gs)
+    return R.quantize_cols_128x1(x_p), R.quantize_cols_128x1(dy_p), tile_group
+
+
+@pytest.mark.parametrize("groups,tile_n", [("empty", 128), ("all", 128), ("empty", 256)])
+def test_grouped_wgrad_matches_reference(groups, tile_n):
+    gs = jnp.asarray(GROUPS[groups], jnp.int32)
+    m, k, n = 320, 256, 256  # 20 rows past sum(group_sizes), dropped by pad_groups
+    (xq, xs), (dq, ds), tile_group = wgrad_operands(len(groups) + tile_n, m, k, n, gs)
+    want = R.grouped_wgrad_reference(xq, xs, dq, ds, tile_group, E)
+    got = finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=WgradConfig(tile_n=tile_n)))
+    assert got.shape == (E, k, n) and got.dtype == jnp.float32
+    assert rel(got, want) < 1e-6
+    for g in range(E):
+        if GROUPS[groups][g] == 0:
+            assert (np.asarray(got[g]) == 0).all()
+        else:
+            assert rel(got[g], want[g]) < 1e-6
+
+
+def test_grouped_wgrad_scales_are_applied_per_tile_row_and_column():
+    """Scaling one token tile's scale of x channel k or of dy channel n scales exactly the
+    contribution of that tile to row k or column n of its expert's gradient."""
+    gs = jnp.asarray(GROUPS["empty"], jnp.int32)
+    (xq, xs), (dq, ds), tile_group = wgrad_operands(5, 300, 256, 256, gs)
+    base = np.asarray(finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs)))
+    first, count = (np.asarray(a) for a in group_tiles(gs))
+    assert count.tolist() == [1, 0, 1, 2] and first.tolist() == [0, 1, 1, 2]
+    xs2 = xs.at[3, 17].multiply(0.0)   # expert 3's second tile, x channel 17
+    ds2 = ds.at[0, 200].multiply(3.0)  # expert 0's tile, dy channel 200
+    got = np.asarray(finished(fp8_grouped_wgrad(xq.T, xs2, dq.T, ds2, gs)))
+    want = np.asarray(R.grouped_wgrad_reference(xq, xs2, dq, ds2, tile_group, E))
+    assert rel(got, want) < 1e-6
+    np.testing.assert_allclose(got[0][:, 200], 3 * base[0][:, 200], rtol=1e-6,
+                               atol=1e-6 * np.abs(base[0]).max())
+    assert not np.allclose(got[3][17], base[3][17])
+    keep = np.ones(256, bool)
+    keep[200] = False
+    np.testing.assert_array_equal(got[0][:, keep], base[0][:, keep])
+    np.testing.assert_array_equal(got[1:3], base[1:3])
+
+
+@pytest.mark.parametrize("groups", ["empty", "all"])
+def test_dgrad_kernel_reads_the_weights_as_quantised(groups):
+    """dx = dy @ w_e^T per expert: fp8_gmm_blockwise with b = w_q [E, K, N] (K the output, N the
+    contraction) and the [E, K/128, N/128] block scales as they are."""
+    gs = jnp.asarray(GROUPS[groups], jnp.int32)
+    m, k, n = 300, 256, 384
+    kd, kw = jax.random.split(jax.random.key(11))
+    dy_q, dy_s = R.quantize_rows_1x128(varied(kd, (m, n)))
+    w = jax.random.normal(kw, (E, k, n)) * 0.05
+    w_q, w_s = jax.vmap(R.quantize_blocks_128x128)(w)  # [E, K, N], [E, Kb, Nb]
+    got = finished(fp8_gmm_blockwise(dy_q, dy_s, w_q, w_s, gs, out_dtype=jnp.float32))
+    want = R.grouped_gemm_blockwise_reference(dy_q, dy_s, jnp.swapaxes(w_q, 1, 2),
+                                              jnp.swapaxes(w_s, 1, 2), gs)
+    assert got.shape == (m, k)
+    assert rel(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("m,k,n,groups,dtype", [(300, 256, 256, "empty", jnp.float32),
+                                                (320, 200, 320, "all", jnp.bfloat16)])
+def test_fp8_grouped_gemm_mosaic_matches_reference(m, k, n, groups, dtype):
+    """Forward and gradients of impl="mosaic" equal impl="reference" to fp32 rounding (bf16
+    outputs: to one bf16 rounding); K and N not multiples of 128 are zero-padded for the
+    kernels; rows past sum(group_sizes) give zeros and get zero gradients."""
+    gs = jnp.asarray(GROUPS[groups], jnp.int32)
+    kx, kw, kr = jax.random.split(jax.random.key(m + k + n), 3)
+    x = varied(kx, (m, k)).astype(dtype)
+    w = jax.random.normal(kw, (E, k, n)) * 0.05  # fp32 master weights
+    r = jax.random.normal(kr, (m, n))
+    outs = {}
+    for impl in ("mosaic", "reference"):
+        def forward_and_grads(x, w, impl=impl):  # one program: no eager op beside the kernels
+            def loss(x, w):
+                y = fp8_grouped_gemm(x, w, gs, impl=impl)
+                return jnp.sum(y.astype(jnp.float32) * r), y
+            (_, y), grads = jax.value_and_grad(loss, (0, 1), has_aux=True)(x, w)
+            return (y,) + grads
+        outs[impl] = finished(jax.jit(forward_and_grads)(x, w))
+    (y, dx, dw), (y_r, dx_r, dw_r) = outs["mosaic"], outs["reference"]
+    assert (y.dtype, dx.dtype, dw.dtype) == (dtype, dtype, jnp.float32)
+    assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (E, k, n)
+    tol = 1e-6 if dtype == jnp.float32 else 2 ** -8
+    assert rel(y, y_r) < tol and rel(dx, dx_r) < tol
+    assert rel(dw, dw_r) < 1e-6
+    for g, size in enumerate(GROUPS[groups]):
+        if size == 0:
+            assert (np.asarray(dw[g]) == 0).all()
+    assert (np.asarray(y[300:]) == 0).all() and (np.asarray(dx[300:]) == 0).all()
+
+
+def test_grouped_impl_resolution(monkeypatch):
+    assert api.resolve_impl("reference") == "reference"
+    monkeypatch.setattr(api, "on_hopper", lambda: False)
+    assert api.resolve_impl("auto") == "reference"
+    monkeypatch.setattr(api, "on_hopper", lambda: True)
+    assert api.resolve_impl("auto") == "mosaic"
+    with pytest.raises(ValueError, match="expected one of auto, reference, mosaic"):
+        fp8_grouped_gemm(jnp.ones((8, 128)), jnp.ones((2, 128, 128)), jnp.array([4, 4]), impl="cuda")
+
+
+@pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
+def test_wgrad_no_races(kernel_races, monkeypatch):
+    monkeypatch.setattr(mw, "default_interpret", lambda: _hopper.interpret_params(detect_races=True))
+    gs = jnp.asarray((60, 0, 200, 0), jnp.int32)
+    (xq, xs), (dq, ds), _ = wgrad_operands(3, 260, 256, 256, gs)
+    finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
+    assert len(kernel_races) == 1 and not any(kernel_races), kernel_races
+
+
+def test_wgrad_refusals():
+    gs = jnp.asarray((100, 28), jnp.int32)
+    (xq, xs), (dq, ds), _ = wgrad_operands(4, 128, 256, 128, gs)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        fp8_grouped_wgrad(xq.T.astype(jnp.bfloat16), xs, dq.T, ds, gs)
+    with pytest.raises(ValueError, match="multiples of 128"):
+        fp8_grouped_wgrad(xq.T[:, :200], xs, dq.T[:, :200], ds, gs)
+    with pytest.raises(ValueError, match="token mismatch"):
+        fp8_grouped_wgrad(xq.T, xs, dq.T[:, :128], ds, gs)
+    with pytest.raises(ValueError, match="scale shapes"):
+        fp8_grouped_wgrad(xq.T, xs.T, dq.T, ds, gs)
+    with pytest.raises(ValueError, match="tile_n=256"):
+        fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=WgradConfig(tile_n=256))
