@@ -23,6 +23,13 @@ transposed, [KB, M] (M-major, as DeepGEMM stores them), so a warpgroup's 64 row 
 step are contiguous; they and the weight scale (one scalar per 128 columns and step) are loaded
 from global memory before the step's wgmma is waited for.
 
+The same kernel serves the dense weight gradient (`mosaic_wgrad.fp8_gemm_1d1d`): with
+b_scales="rows" the B scales are per (row of b_q, 128 of K), read transposed [KB, N] as one
+128-vector per 128 columns and step, and the fold multiplies the partial product by the outer
+product of the row and column scale vectors; the overlapped schedule then reloads step
+k - 1's scales inside the fold instead of carrying them. Only the scale loads and the fold
+differ between the two modes.
+
 wgmma with 8-bit operands reads both A and B K-major from shared memory (Mosaic GPU: "Only f16
 WGMMA supports transposes"), hence b_q [N, K]; a transposed use (dgrad, wgrad) needs a copy
 quantised along the other axis.
@@ -39,16 +46,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
-from pallas_kernels.moe.mosaic_gpu import _store_rows, row_tile_table
-
-BLOCK = 128                   # scale block along K (both operands) and along N (weights)
-WG_ROWS = 64                  # rows per compute warpgroup: one wgmma M tile
-TILE_M = 2 * WG_ROWS          # rows per CTA: two compute warpgroups
-_EPI = 64                     # output staged and stored in 64 x 64 sub-tiles
-_SMEM_BYTES = 227 * 1024 - 2048
-WGMMA = plgpu.Layout.WGMMA
-ROW = plgpu.Layout.WGMMA.reduce(1)   # one value per row of a [rows, cols] WGMMA tile
-FP8 = jnp.dtype(jnp.float8_e4m3fn)
+from pallas_kernels.fp8.mosaic_common import (
+    BLOCK, EPI, FP8, ROW, TILE_M, WG_ROWS, WGMMA, fold_outer, fold_rows, load_outer_scales,
+    stages, store_tiles, transforms, wg_product)
+from pallas_kernels.moe.mosaic_gpu import row_tile_table
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,12 +74,6 @@ class Fp8Config:
 DEFAULT_CONFIG = Fp8Config()
 
 
-def _transforms(minor_bytes, dtype):
-    swizzle = plgpu.find_swizzle(minor_bytes * 8)
-    elems = swizzle // jnp.dtype(dtype).itemsize
-    return (plgpu.TilingTransform((8, elems)), plgpu.SwizzleTransform(swizzle))
-
-
 def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG, group_sizes=None):
     """Raise ValueError unless the operands fit `fp8_gemm_blockwise` (group_sizes None) or
     `fp8_gmm_blockwise` (docstrings there)."""
@@ -87,10 +82,7 @@ def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG, group_sizes=None):
     if a_q.ndim != 2 or a_s.ndim != 2 or b_q.ndim != wb or b_s.ndim != wb:
         raise ValueError(f"fp8 GEMM needs a_q, a_s 2-d and b_q, b_s {wb}-d, got a_q {a_q.shape}, "
                          f"a_s {a_s.shape}, b_q {b_q.shape}, b_s {b_s.shape}")
-    if a_q.dtype != FP8 or b_q.dtype != FP8:
-        raise ValueError(f"fp8 GEMM needs float8_e4m3fn a_q and b_q, got {a_q.dtype}, {b_q.dtype}")
-    if a_s.dtype != jnp.float32 or b_s.dtype != jnp.float32:
-        raise ValueError(f"fp8 GEMM needs float32 scales, got {a_s.dtype}, {b_s.dtype}")
+    check_dtypes("fp8 GEMM", a_q, a_s, b_q, b_s)
     m, k = a_q.shape
     n, k2 = b_q.shape[-2:]
     if k != k2:
@@ -108,19 +100,25 @@ def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG, group_sizes=None):
         raise ValueError(f"tile_n={config.tile_n}: expected 128 or 256")
     if n % config.tile_n:
         raise ValueError(f"N={n} must be a multiple of tile_n={config.tile_n}")
+    check_schedule(config)
+
+
+def check_dtypes(what, a_q, a_s, b_q, b_s):
+    """Raise ValueError (naming `what`) unless a_q and b_q are float8_e4m3fn and a_s and b_s
+    float32."""
+    if a_q.dtype != FP8 or b_q.dtype != FP8:
+        raise ValueError(f"{what} needs float8_e4m3fn a_q and b_q, got {a_q.dtype}, {b_q.dtype}")
+    if a_s.dtype != jnp.float32 or b_s.dtype != jnp.float32:
+        raise ValueError(f"{what} needs float32 scales, got {a_s.dtype}, {b_s.dtype}")
+
+
+def check_schedule(config):
+    """Raise ValueError unless config's fold schedule and grid order are valid (overlap only
+    with tile_n 128; grid_minor "m" or "n")."""
     if config.overlap and config.tile_n != 128:
         raise ValueError("overlap needs tile_n=128 (registers)")
     if config.grid_minor not in ("m", "n"):
         raise ValueError(f"grid_minor={config.grid_minor!r}: expected 'm' or 'n'")
-
-
-def _stages(tn, out_dtype, want):
-    step = (TILE_M + tn) * BLOCK  # bytes of one a_q and one b_q tile
-    fixed = 2 * 2 * _EPI * _EPI * jnp.dtype(out_dtype).itemsize
-    stages = min(want, (_SMEM_BYTES - fixed) // step)
-    if stages < 2:
-        raise ValueError(f"tiles too large for shared memory: {tn=}")
-    return int(stages)
 
 
 @lower_once
@@ -147,12 +145,20 @@ def fp8_gemm_blockwise(a_q, a_s, b_q, b_s, *, out_dtype=jnp.bfloat16, config=Non
     """
     config = config or DEFAULT_CONFIG
     check_operands(a_q, a_s, b_q, b_s, config)
+    return dense_call(a_q, a_s, b_q, b_s[None], out_dtype, config)
+
+
+def dense_call(a_q, a_s, b_q, b_s, out_dtype, config, b_scales="block", interpret=None):
+    """The dense kernel on checked operands: a_q [M, K] and a_s [M, KB] padded with zero rows to
+    a multiple of 128 (a copy; none when M is one), b_q [N, K] and b_s as `_call` takes it for
+    `b_scales` ([1, N/128, KB] or [KB, N]). Returns [M, N] out_dtype."""
     m = a_q.shape[0]
     mp = -(-m // TILE_M) * TILE_M
     if mp != m:
         a_q = jnp.pad(a_q, ((0, mp - m), (0, 0)))
         a_s = jnp.pad(a_s, ((0, mp - m), (0, 0)))
-    out = _call(a_q, a_s.T, b_q[None], b_s[None], None, jnp.dtype(out_dtype), config)
+    out = _call(a_q, a_s.T, b_q[None], b_s, None, jnp.dtype(out_dtype), config, b_scales,
+                interpret)
     return out[:m] if mp != m else out
 
 
@@ -189,20 +195,27 @@ def fp8_gmm_blockwise(a_q, a_s, b_q, b_s, group_sizes, *, out_dtype=jnp.bfloat16
     return out[:m] if mp != m else out
 
 
-def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
-    """The kernel on a_q [Mp, K], a_st [KB, Mp], b_q [G, N, K], b_s [G, N/128, KB]; table None
-    (dense: G = 1, Mp a multiple of 128) or the grouped row-tile table [4, T]."""
+def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", interpret=None):
+    """The kernel on a_q [Mp, K], a_st [KB, Mp], b_q [G, N, K]; table None (dense: G = 1, Mp a
+    multiple of 128) or the grouped row-tile table [4, T].
+
+    b_scales "block": b_s [G, N/128, KB], one scale per 128 x 128 block of b_q. "rows" (dense
+    only): b_s [KB, N], one per (row of b_q, 128 of K), folded as an outer product with the row
+    scales. interpret: the `plgpu.kernel` interpret setting (None: `default_interpret()`).
+    """
     mp, k = a_q.shape
     e, n = b_q.shape[:2]
     grouped = table is not None
+    rows = b_scales == "rows"
+    assert b_scales in ("block", "rows") and not (rows and grouped), (b_scales, grouped)
     tn = config.tile_n
     n_sub = tn // BLOCK
     k_steps = k // BLOCK
     n_iters = n // tn
     m_iters = table.shape[1] if grouped else mp // TILE_M
-    stages = _stages(tn, out_dtype, config.max_concurrent_steps)
-    in_tr = _transforms(BLOCK, FP8)
-    out_tr = _transforms(_EPI * out_dtype.itemsize, out_dtype)
+    n_stages = stages(tn, out_dtype, config.max_concurrent_steps)
+    in_tr = transforms(BLOCK, FP8)
+    out_tr = transforms(EPI * out_dtype.itemsize, out_dtype)
     minor = 1 if config.grid_minor == "n" else 0
     overlap = config.overlap
 
@@ -217,7 +230,7 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
             ],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=stages,
+            max_concurrent_steps=n_stages,
             compute_context=context,
         )
 
@@ -228,9 +241,9 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
         # each warpgroup's two output slots, seen swizzled (the wgmma register layout stores
         # into it without bank conflicts; whole sub-tiles are TMA-stored from it) and, grouped,
         # row-major (a row range of a partial sub-tile is stored from it)
-        slot = (plgpu.RefUnion(plgpu.SMEM((_EPI, _EPI), out_dtype, transforms=out_tr),
-                               plgpu.SMEM((_EPI, _EPI), out_dtype)) if grouped
-                else plgpu.SMEM((_EPI, _EPI), out_dtype, transforms=out_tr))
+        slot = (plgpu.RefUnion(plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr),
+                               plgpu.SMEM((EPI, EPI), out_dtype)) if grouped
+                else plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr))
 
         @functools.partial(
             pl.run_scoped,
@@ -263,7 +276,10 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
                 a_rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
 
                 def scales(kb):
-                    """[64] ROW scales of this warpgroup's rows and the n_sub weight scales."""
+                    """[64] ROW scales of this warpgroup's rows and the n_sub B scales (block:
+                    scalars; rows: [128] COL vectors)."""
+                    if rows:
+                        return load_outer_scales(ast_ref, bs_ref, kb, r0, ni * tn, n_sub)
                     sa = plgpu.load(ast_ref.at[kb, pl.ds(r0, WG_ROWS)], layout=ROW,
                                     optimized=False)
                     sbs = [bs_ref[gw, ni * n_sub + s, kb] for s in range(n_sub)]
@@ -271,43 +287,50 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
                         sbs = [sb * real.astype(jnp.float32) for sb in sbs]
                     return sa, sbs
 
-                def product(a_smem, b_smem, s, during=None):
-                    """The step's fp32 partial product of 128-column block s (fresh
-                    accumulator) and the value of `during()`, which runs after the wgmma is
-                    issued, before it is waited for."""
-                    def mma(acc_ref):
-                        plgpu.wgmma(acc_ref, a_smem.at[a_rows],
-                                    b_smem.at[pl.ds(s * BLOCK, BLOCK)].T)
-                        extra = during() if during is not None else None
-                        return acc_ref[...], extra
-                    return pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
+                def fold(total, part, sa, sb):
+                    if rows:
+                        return fold_outer(total, part, sa, sb)
+                    return fold_rows(total, part, sa * sb)
 
-                def fold(total, part, scale_row):
-                    return total + part * lax.broadcast_in_dim(scale_row, part.shape, [0])
+                def product(a_smem, b_smem, s, during=None):
+                    return wg_product(a_smem, b_smem, a_rows, s, during)
 
                 def body(idx, a_smem, b_smem, carry):
                     (kb,) = idx
+                    if overlap and rows:  # carry: (sum, previous partial); its scales reloaded
+                        total, prev = carry
+
+                        def fold_prev():  # step 0's "previous" partial is zeros
+                            psa, psbs = scales(jnp.maximum(kb - 1, 0))
+                            return fold(total, prev, psa, psbs[0])
+                        part, total = product(a_smem, b_smem, 0, during=fold_prev)
+                        return total, part
                     sa, sbs = scales(kb)
                     if overlap:  # carry: (sum, previous partial, its row scales)
                         total, prev, prev_scale = carry
                         part, total = product(a_smem, b_smem, 0,
-                                              during=lambda: fold(total, prev, prev_scale))
+                                              during=lambda: fold_rows(total, prev, prev_scale))
                         return total, part, sa * sbs[0]
                     totals = list(carry)
                     for s in range(n_sub):
                         part, _ = product(a_smem, b_smem, s)
-                        totals[s] = fold(totals[s], part, sa * sbs[s])
+                        totals[s] = fold(totals[s], part, sa, sbs[s])
                     return tuple(totals)
 
                 def context(run):
                     zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
-                    if overlap:
+                    if overlap and rows:
+                        total, prev = run((zero, zero))
+                        sa, sbs = scales(k_steps - 1)
+                        totals = [fold(total, prev, sa, sbs[0])]
+                    elif overlap:
                         zrow = plgpu.layout_cast(jnp.zeros((WG_ROWS,), jnp.float32), ROW)
                         total, prev, prev_scale = run((zero, zero, zrow))
-                        totals = [fold(total, prev, prev_scale)]
+                        totals = [fold_rows(total, prev, prev_scale)]
                     else:
                         totals = list(run(tuple(zero for _ in range(n_sub))))
-                    _store(totals, out_smem, o_ref, wg, r0, ni * tn, wlo, whi)
+                    store_tiles(totals, out_smem, o_ref, wg, r0, ni * tn, out_dtype,
+                                (wlo, whi) if grouped else None)
 
                 def pipeline():
                     make_pipeline(body, context)(
@@ -320,36 +343,6 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
-    def _store(totals, out_smem, o_ref, wg, r0, c0, wlo, whi):
-        """The warpgroup's [64, tn] fp32 sums to o_ref[r0:, c0:] in 64 x 64 sub-tiles through
-        two staging slots, so that writing one slot overlaps the TMA store from the other.
-        Grouped: only its rows [wlo, whi) (a partial sub-tile by `_store_rows`)."""
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        i = 0
-        for s, total in enumerate(totals):
-            for j in range(BLOCK // _EPI):
-                sub = total[:, j * _EPI:(j + 1) * _EPI].astype(out_dtype)
-                dst = o_ref.at[pl.ds(r0, WG_ROWS), pl.ds(c0 + s * BLOCK + j * _EPI, _EPI)]
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                for w in range(2):  # static slot refs: one branch per warpgroup
-                    staged = out_smem[w][i % 2]
-                    swizzled, row_major = staged if grouped else (staged, None)
-                    full = (wg == w) if not grouped else (wg == w) & (wlo == 0) & (whi == WG_ROWS)
-
-                    @pl.when(full)
-                    def _(swizzled=swizzled, sub=sub, dst=dst):
-                        swizzled[...] = sub
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(swizzled, dst)
-
-                    if grouped:
-                        @pl.when((wg == w) & jnp.logical_not(full) & (whi > wlo))
-                        def _(row_major=row_major, sub=sub, dst=dst):
-                            row_major[...] = sub
-                            plgpu.commit_smem()
-                            _store_rows(row_major, dst, wlo, whi, WG_ROWS)
-                i += 1
-
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
@@ -357,7 +350,7 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config):
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
-        interpret=default_interpret(),
+        interpret=default_interpret() if interpret is None else interpret,
     )
     operands = (a_q, a_st, b_q, b_s)
     return call(*((table,) + operands if grouped else operands))

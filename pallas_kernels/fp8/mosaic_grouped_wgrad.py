@@ -38,11 +38,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
-from pallas_kernels.fp8.mosaic_gemm import BLOCK, FP8, ROW, TILE_M, WG_ROWS, WGMMA, _transforms
-
-COL = plgpu.Layout.WGMMA.reduce(0)  # one value per column of a [rows, cols] WGMMA tile
-_EPI = 64                           # output staged and stored in 64 x 64 sub-tiles
-_SMEM_BYTES = 227 * 1024 - 2048
+from pallas_kernels.fp8.mosaic_common import (
+    BLOCK, EPI, FP8, TILE_M, WG_ROWS, WGMMA, fold_outer, load_outer_scales, stages, store_tiles,
+    transforms, wg_product)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -119,15 +117,6 @@ def fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes, *, config=None):
     return _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config)
 
 
-def _stages(tn, want):
-    step = (TILE_M + tn) * BLOCK  # bytes of one xt_q and one dyt_q tile
-    fixed = 2 * 2 * _EPI * _EPI * 4  # fp32 output staging: two slots per compute warpgroup
-    stages = min(want, (_SMEM_BYTES - fixed) // step)
-    if stages < 2:
-        raise ValueError(f"tiles too large for shared memory: {tn=}")
-    return int(stages)
-
-
 def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
     k, p = xt_q.shape
     n = dyt_q.shape[0]
@@ -135,9 +124,9 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
     tn = config.tile_n
     n_sub = tn // BLOCK
     k_iters, n_iters = k // TILE_M, n // tn
-    stages = _stages(tn, config.max_concurrent_steps)
-    in_tr = _transforms(BLOCK, FP8)
-    out_tr = _transforms(_EPI * 4, jnp.float32)
+    n_stages = stages(tn, jnp.float32, config.max_concurrent_steps)
+    in_tr = transforms(BLOCK, FP8)
+    out_tr = transforms(EPI * 4, jnp.float32)
 
     def make_pipeline(body, context, steps, t0):
         return plgpu.emit_pipeline_warp_specialized(
@@ -150,7 +139,7 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
             ],
             wg_axis="wg",
             num_compute_wgs=2,
-            max_concurrent_steps=stages,
+            max_concurrent_steps=n_stages,
             compute_context=context,
         )
 
@@ -158,7 +147,7 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
         ignore = lambda *_, **__: None
         zero_i32 = jnp.asarray(0, jnp.int32)
         one_i32 = jnp.asarray(1, jnp.int32)  # a dynamic grid, as in the real pipelines
-        slot = plgpu.SMEM((_EPI, _EPI), jnp.float32, transforms=out_tr)
+        slot = plgpu.SMEM((EPI, EPI), jnp.float32, transforms=out_tr)
 
         @functools.partial(
             pl.run_scoped,
@@ -181,61 +170,25 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
                 r0 = ki * TILE_M + wg * WG_ROWS  # this warpgroup's first row of dw[g]
                 a_rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
 
-                def scales(s):
-                    """[64] ROW scales of x for this warpgroup's rows, n_sub [128] COL scales
-                    of dy, of token tile t0 + s."""
-                    t = t0 + s
-                    sa = plgpu.load(as_ref.at[t, pl.ds(r0, WG_ROWS)], layout=ROW, optimized=False)
-                    sbs = [plgpu.load(bs_ref.at[t, pl.ds(ni * tn + j * BLOCK, BLOCK)], layout=COL,
-                                      optimized=False) for j in range(n_sub)]
-                    return sa, sbs
-
-                def product(a_smem, b_smem, j):
-                    """fp32 partial product of 128-column block j of this step (fresh
-                    accumulator)."""
-                    def mma(acc_ref):
-                        plgpu.wgmma(acc_ref, a_smem.at[a_rows], b_smem.at[pl.ds(j * BLOCK, BLOCK)].T)
-                        return acc_ref[...]
-                    return pl.run_scoped(mma, plgpu.ACC((WG_ROWS, BLOCK), jnp.float32))
-
                 def body(idx, a_smem, b_smem, carry):
                     (s,) = idx
-                    sa, sbs = scales(s)
+                    sa, sbs = load_outer_scales(as_ref, bs_ref, t0 + s, r0, ni * tn, n_sub)
                     totals = list(carry)
                     for j in range(n_sub):
-                        part = product(a_smem, b_smem, j)
-                        part = part * lax.broadcast_in_dim(sa, part.shape, [0])
-                        totals[j] = totals[j] + part * lax.broadcast_in_dim(sbs[j], part.shape, [1])
+                        part, _ = wg_product(a_smem, b_smem, a_rows, j)
+                        totals[j] = fold_outer(totals[j], part, sa, sbs[j])
                     return tuple(totals)
 
                 def context(run):
                     zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
                     totals = run(tuple(zero for _ in range(n_sub)))
-                    _store(totals, out_smem, o_ref.at[g], wg, r0, ni * tn)
+                    store_tiles(totals, out_smem, o_ref.at[g], wg, r0, ni * tn, jnp.float32)
 
                 make_pipeline(body, context, steps, t0)(
                     a_ref.at[pl.ds(ki * TILE_M, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :],
                     allocations=allocs)
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-
-    def _store(totals, out_smem, o_ref, wg, r0, c0):
-        """The warpgroup's [64, tn] fp32 sums to o_ref[r0:, c0:] in 64 x 64 sub-tiles through
-        two staging slots, so that writing one slot overlaps the TMA store from the other."""
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        i = 0
-        for s, total in enumerate(totals):
-            for j in range(BLOCK // _EPI):
-                sub = total[:, j * _EPI:(j + 1) * _EPI]
-                dst = o_ref.at[pl.ds(r0, WG_ROWS), pl.ds(c0 + s * BLOCK + j * _EPI, _EPI)]
-                plgpu.wait_smem_to_gmem(1, wait_read_only=True)
-                for w in range(2):  # static slot refs: one branch per warpgroup
-                    @pl.when(wg == w)
-                    def _(staged=out_smem[w][i % 2], sub=sub, dst=dst):
-                        staged[...] = sub
-                        plgpu.commit_smem()
-                        plgpu.copy_smem_to_gmem(staged, dst)
-                i += 1
 
     call = plgpu.kernel(
         kernel,
