@@ -43,6 +43,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, ROOT)
 sys.path.insert(0, HERE)
 
+from _plot_png import line_plot  # noqa: E402
 from _step_common import DSJAX_ROWS, V2_LITE  # noqa: E402
 
 TARGET = 0.0025  # DeepSeek-V3's relative loss error of FP8 training vs bf16
@@ -115,7 +116,6 @@ def plot(path: str, a: list[float], b: list[float], title: str) -> str:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        from _plot_png import line_plot
         line_plot(path, [(steps, a), (steps, b)])
         return "plain PNG (no matplotlib): blue bf16, red fp8"
     fig, (ax, ax2) = plt.subplots(2, 1, figsize=(9, 7), sharex=True, height_ratios=(3, 1))

@@ -46,7 +46,7 @@ from pallas_kernels.moe import mosaic_gpu  # noqa: E402
 from pallas_kernels.moe.reference import grouped_matmul_reference  # noqa: E402
 
 from gpu_power import sustained  # noqa: E402 (benchmarks/gpu_power.py: timing at the power cap)
-from moe import seconds  # noqa: E402 (benchmarks/moe.py: median of timed back-to-back calls)
+from _timing import seconds  # noqa: E402 (median of timed back-to-back calls)
 
 N = 2048
 PEAK_TFLOPS = 989.0  # H100/H200 SXM dense bf16

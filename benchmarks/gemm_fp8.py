@@ -57,7 +57,7 @@ backward: `jax.vjp` of `fp8_linear(x, w, impl="mosaic")` with every quantisation
 against the same of the bf16 `x @ w`; TFLOP/s of 3 x 2 M N K, errors of y, dx and dw against
 fp32, the largest of the three).
 
-Times are the median of --reps timings of --iters back-to-back calls (`moe.seconds`). Peak:
+Times are the median of --reps timings of --iters back-to-back calls (`_timing.seconds`). Peak:
 989 TFLOP/s bf16, 1,979 FP8 dense on an H100/H200 SXM.
 
 `--dry-run` needs no GPU, only the CUDA plugin (`pip install "jax[cuda13]==0.11.2"`): it
@@ -76,6 +76,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))
 sys.path.insert(0, HERE)
+from _timing import seconds  # noqa: E402 (median of timed back-to-back calls)
 
 E4M3_MAX = 448.0
 BLOCK = 128
@@ -438,8 +439,6 @@ def run_passes(passes, names, specs, tokens, iters, reps):
     """Time the dgrad / wgrad / linear passes of the dense rows; prints one table per pass."""
     import jax
 
-    from moe import seconds
-
     for pass_ in passes:
         table = []
         for i, name in enumerate(n for n in names if not specs[n][3]):
@@ -551,7 +550,6 @@ def main(argv=None) -> int:
         return dry_run(names, args.tokens, passes)
     import jax
 
-    from moe import seconds  # benchmarks/moe.py: median of timed back-to-back calls
 
     specs = dict(ROWS)
     if args.tiny:

@@ -43,6 +43,7 @@ import jax.numpy as jnp
 
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from pallas_kernels._hopper import on_gpu  # noqa: E402
+from _timing import seconds  # noqa: E402
 from pallas_kernels.moe import grouped_matmul, permute, unpermute  # noqa: E402
 
 from _trace import kernel_summary, summary_markdown  # noqa: E402 (benchmarks/_trace.py)
@@ -140,22 +141,6 @@ def programs(fn, args, aux):
         o, vjp = jax.vjp(lambda *d: fn(*d, *a[n:]), *a[:n])
         return o, vjp(ct)
     return fwd, lambda *a: fb(ct, *a)
-
-
-def seconds(fn, args, iters, reps):
-    """Median over `reps` timings of `iters` back-to-back calls, per call, after a warm-up."""
-    jax.block_until_ready(fn(*args))
-    sync_each = not on_gpu()  # GPU interpret mode: never two kernel calls in flight
-    ts = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = fn(*args)
-            if sync_each:
-                jax.block_until_ready(out)
-        jax.block_until_ready(out)
-        ts.append((time.perf_counter() - t0) / iters)
-    return statistics.median(ts)
 
 
 def errors(fb, args, aux, ref):

@@ -29,6 +29,9 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_power import PowerSampler  # noqa: E402
+
 VOCAB = 102400
 
 
@@ -98,8 +101,6 @@ def main() -> None:
 
     for _ in range(3):
         step()
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-    from gpu_power import PowerSampler
     torch.cuda.synchronize()
     with PowerSampler() as ps:
         t0 = time.perf_counter()

@@ -6,9 +6,12 @@ import logging
 import os
 import sys
 
+from jax._src import xla_bridge
+
 from dsjax import config as C
 from dsjax.checkpoint import CheckpointError
 from dsjax.errors import RunStopped
+from pallas_kernels._hopper import INTERPRET_MIN_CPU_THREADS
 
 
 def add_config_args(p: argparse.ArgumentParser) -> None:
@@ -38,10 +41,6 @@ def interpret_threads(cfg: C.Config) -> None:
     and the step waits for ever. The pool size only matters to the CPU client (on a GPU host
     it runs the host-side work), and it is left alone when it is already large enough or when
     jax's backends have started (then the kernels' own warning names the setting)."""
-    from jax._src import xla_bridge
-
-    from pallas_kernels._hopper import INTERPRET_MIN_CPU_THREADS
-
     if "pallas" not in (cfg.model.attention_impl, cfg.model.moe_impl) or xla_bridge.backends_are_initialized():
         return
     given = os.environ.get("PJRT_NPROC") or os.environ.get("NPROC")

@@ -33,6 +33,7 @@ from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from pallas_kernels.fp8 import frozen as fp8_frozen
 from pallas_kernels.moe import (grouped_lora_matmuls, lora_dropout,
                                 permute, sorted_weights, swiglu, unpermute_sum)
 
@@ -75,7 +76,7 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
     "scale", "rate", "key"}: each projection adds its per-expert adapter term over the same
     groups. With F split over `mlp_axes`, down's A is split over F too: its partial products
     are linear in A's rows, so the existing psum over `mlp_axes` adds them. fp8: the base
-    GEMMs in FP8 (`grouped_lora_matmuls(fp8=True)`), quantised from the weights as given."""
+    GEMMs in FP8 (`pallas_kernels.fp8.frozen.grouped_gemm`), quantised from the weights as given."""
     El = w_gate.shape[0]
     e0 = jax.lax.axis_index(axis) * El
     local = ids - e0
@@ -92,12 +93,13 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
             keys = [jax.random.fold_in(key, i) for i in range(3)]
     # one x A GEMM for the gate and up adapters; t B inside each base GEMM
     cast = (lambda w: w) if fp8 else (lambda w: w.astype(dtype))  # noqa: E731
+    base = fp8_frozen.grouped_gemm if fp8 else None
     g, u = grouped_lora_matmuls(xs, (cast(w_gate), cast(w_up)), pairs[:2], gs,
-                                scale=s, impl=impl, x_adapter=lora_dropout(xs, rate, keys[0]), fp8=fp8)
+                                scale=s, impl=impl, x_adapter=lora_dropout(xs, rate, keys[0]), base_gemm=base)
     w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
     h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
     y, = grouped_lora_matmuls(h, (cast(w_down),), pairs[2:], gs, scale=s, impl=impl,
-                              x_adapter=lora_dropout(h, rate, keys[2]), fp8=fp8)
+                              x_adapter=lora_dropout(h, rate, keys[2]), base_gemm=base)
     return unpermute_sum(y, perm, ids.shape[1], impl=impl).astype(jnp.float32)
 
 

@@ -34,6 +34,7 @@ from flax import nnx
 
 from dsjax.config import LORA_ATTENTION, LORA_EXPERTS, LORA_MLP, LoraConfig, ModelConfig
 from dsjax.model.layers import Linear
+from pallas_kernels.fp8 import frozen as fp8_frozen
 from pallas_kernels.fp8.frozen import Fp8Weight
 from pallas_kernels.moe import grouped_lora_matmuls, lora_dropout
 
@@ -155,7 +156,7 @@ def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: flo
     live = any(p is not None for p in pairs)
     return grouped_lora_matmuls(x, ws, pairs, group_sizes, scale=scale, impl=impl,
                                 x_adapter=_dropout(x, rate) if live else None, in_stacks=in_stacks,
-                                dw_sinks=dw_sinks, fp8=fp8)
+                                dw_sinks=dw_sinks, base_gemm=fp8_frozen.grouped_gemm if fp8 else None)
 
 
 # ----------------------------------------------------------------------------- attach

@@ -215,3 +215,13 @@ def fp8_grouped_gemm_frozen(x, w: Fp8Weight, group_sizes, *, impl: str = "auto")
     if impl not in fp8_api.IMPLS:
         raise ValueError(f"fp8: impl={impl!r}: expected one of {', '.join(fp8_api.IMPLS)}")
     return _frozen_gmm(x, w.q, w.s, group_sizes.astype(jnp.int32))
+
+
+def grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
+    """The routed experts' FP8 GEMM for a weight of either kind: `fp8_grouped_gemm_frozen` for a
+    frozen `Fp8Weight` (its stored values and scales), `api.fp8_grouped_gemm` (quantised online,
+    differentiable in w) for an array w [E, K, N]. x [M, K] rows grouped by group_sizes [E];
+    returns [M, N] in x.dtype (`grouped_lora_matmuls(base_gemm=...)`)."""
+    if isinstance(w, Fp8Weight):
+        return fp8_grouped_gemm_frozen(x, w, group_sizes, impl=impl)
+    return fp8_api.fp8_grouped_gemm(x, w, group_sizes, impl=impl)

@@ -19,8 +19,6 @@ import jax
 from jax.ad_checkpoint import checkpoint_name
 import jax.numpy as jnp
 
-from pallas_kernels.fp8 import api as fp8_api
-from pallas_kernels.fp8 import frozen as fp8_frozen
 from pallas_kernels.moe import api
 
 
@@ -118,7 +116,7 @@ def lora_factors(x, pairs, group_sizes, *, scale: float, impl: str = "auto", dx_
 
 
 def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str = "auto",
-                         x_adapter=None, in_stacks=None, dw_sinks=None, fp8: bool = False):
+                         x_adapter=None, in_stacks=None, dw_sinks=None, base_gemm=None):
     """Grouped GEMMs of the same rows x, each with its LoRA adapter:
     y_i = x @ W_i[g] + scale * (x_a @ A_i[g]) @ B_i[g] (Hu et al. 2021, eq. 3, per expert).
 
@@ -134,23 +132,24 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
       x_adapter: the adapters' input (x with LoRA dropout), default x;
       in_stacks: None, or per W_i None or (stack, i) (`grouped_matmul(in_stack=...)`);
       dw_sinks: None, or per W_i None or (ref, row) (`grouped_matmul(dw_sink=...)`).
-      fp8: each x @ W_i is `pallas_kernels.fp8.fp8_grouped_gemm` (E4M3, block-scaled; the
-        adapters' GEMMs stay in x's dtype and run beside it, not inside it), or, for a W_i that
-        is a frozen `pallas_kernels.fp8.frozen.Fp8Weight`, `fp8_grouped_gemm_frozen` of its
-        stored values and scales; in_stacks and dw_sinks must then be None.
+      base_gemm: None (each x @ W_i is `grouped_matmul`, with its adapter term inside), or a
+        function (x, W_i, group_sizes) -> [M, N_i] in x.dtype that computes the base GEMMs
+        instead (e.g. `pallas_kernels.fp8.frozen.grouped_gemm`, E4M3 block-scaled): the
+        adapters' GEMMs then stay in x's dtype and run beside it; in_stacks and dw_sinks must
+        then be None.
     Returns:
       tuple of [M, N_i] in x.dtype, fp32 accumulation. Differentiable in x, x_adapter and
       every W, A, B.
     Raises:
-      ValueError: as `grouped_matmul`; fp8 with in_stacks or dw_sinks.
+      ValueError: as `grouped_matmul`; base_gemm with in_stacks or dw_sinks.
     """
     in_stacks = in_stacks or (None,) * len(ws)
     dw_sinks = dw_sinks or (None,) * len(ws)
-    if fp8 and any(p is not None for p in tuple(in_stacks) + tuple(dw_sinks)):
-        raise ValueError("grouped_lora_matmuls: fp8 reads no in_stacks and writes no dw_sinks")
+    if base_gemm is not None and any(p is not None for p in tuple(in_stacks) + tuple(dw_sinks)):
+        raise ValueError("grouped_lora_matmuls: base_gemm reads no in_stacks and writes no dw_sinks")
     live = [i for i, p in enumerate(pairs) if p is not None]
     extras = [None] * len(ws)
-    fused = not fp8
+    fused = base_gemm is None
     if live:
         xa = x if x_adapter is None else x_adapter
         live_pairs = [pairs[i] for i in live]
@@ -163,9 +162,8 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
                                     dx_elsewhere=same)
         for i, b in zip(live, placed):
             extras[i] = (t, b, a) if same else (t, b)
-    if fp8:
-        ys = [fp8_frozen.fp8_grouped_gemm_frozen(x, w, group_sizes) if isinstance(w, fp8_frozen.Fp8Weight)
-              else fp8_api.fp8_grouped_gemm(x, w, group_sizes) for w in ws]
+    if base_gemm is not None:
+        ys = [base_gemm(x, w, group_sizes) for w in ws]
     else:
         ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None,
                                  dw_sink=sk)

@@ -17,6 +17,7 @@ from dsjax.model.layers import Linear
 from dsjax.model.transformer import DeepSeekModel
 from dsjax.train import loop
 from pallas_kernels.fp8 import fp8_grouped_gemm
+from pallas_kernels.fp8 import frozen as fp8_frozen
 from pallas_kernels.moe import grouped_lora_matmuls
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
@@ -69,8 +70,9 @@ def test_fp8_layers_and_forward():
 
 
 def test_routed_experts_fp8_with_lora_adapters():
-    """grouped_lora_matmuls(fp8=True): the base GEMM is fp8_grouped_gemm and the adapter term is
-    added in the compute dtype beside it; gradients reach x, W, A and B."""
+    """grouped_lora_matmuls(base_gemm=frozen.grouped_gemm), as the model calls it with model.fp8:
+    the base GEMM is fp8_grouped_gemm and the adapter term is added in the compute dtype beside
+    it; gradients reach x, W, A and B."""
     ks = jax.random.split(jax.random.PRNGKey(2), 5)
     m, d, f, e, r = 96, 64, 48, 4, 8
     gs = jnp.array([30, 0, 40, 20])
@@ -81,7 +83,8 @@ def test_routed_experts_fp8_with_lora_adapters():
     cot = jax.random.normal(ks[4], (m, f))
 
     def ours(x, w, a, b):
-        y, = grouped_lora_matmuls(x, (w,), ((a, b),), gs, scale=2.0, impl="reference", fp8=True)
+        y, = grouped_lora_matmuls(x, (w,), ((a, b),), gs, scale=2.0, impl="reference",
+                                base_gemm=fp8_frozen.grouped_gemm)
         return jnp.sum(y * cot)
 
     def want(x, w, a, b):
@@ -91,8 +94,8 @@ def test_routed_experts_fp8_with_lora_adapters():
 
     for g1, g2 in zip(jax.grad(ours, (0, 1, 2, 3))(x, w, a, b), jax.grad(want, (0, 1, 2, 3))(x, w, a, b)):
         np.testing.assert_allclose(np.asarray(g1), np.asarray(g2), rtol=1e-4, atol=1e-5 * float(jnp.abs(g2).max()))
-    with pytest.raises(ValueError, match="fp8 reads no in_stacks"):
-        grouped_lora_matmuls(x, (w,), (None,), gs, scale=1.0, impl="reference", fp8=True,
+    with pytest.raises(ValueError, match="base_gemm reads no in_stacks"):
+        grouped_lora_matmuls(x, (w,), (None,), gs, scale=1.0, impl="reference", base_gemm=fp8_frozen.grouped_gemm,
                              in_stacks=((w[None], 0),))
 
 
