@@ -1,0 +1,181 @@
+"""Fused FP8 quantisation of an activation for both of its GEMMs, in Pallas Mosaic GPU: one
+read of each 128 x 128 tile of x, both tile layouts written.
+
+Legend: M rows (tokens), K columns, Mp / Kp = M / K rounded up to multiples of 128,
+Mb = Mp / 128, Kb = Kp / 128.
+
+A linear layer's activation x [M, K] (and, in the backward, its output gradient dy) is quantised
+twice (reference.py): in 1 x 128 tiles for the forward (or dgrad) GEMM, `quantize_rows_1x128`,
+and in 128 x 1 tiles written transposed for the weight gradient, `quantize_cols_128x1_t`. Here
+one kernel does both from a single read of x: 2 (bf16 / fp16) or 4 (fp32) bytes read and
+2 bytes written per element (x_q and x^T_q, one byte each), plus 8 bytes of scales per 128
+elements.
+
+Kernel: a grid of (Mb, Kb) CTAs, one warpgroup each, one 128 x 128 tile of x per CTA:
+  1. TMA copies x[128 i : 128 (i + 1), 128 j : 128 (j + 1)] into shared memory; rows and
+     columns past M and K are filled with zeros by the TMA unit, so a partial edge tile is
+     quantised exactly as the references quantise their zero-padded tiles;
+  2. the tile is loaded into registers (WGMMA layout, converted to fp32) and reduced to
+     max|x| per row (within each warp: a row lives in one quad of lanes) and per column
+     (across the four warps, through shared memory);
+  3. s = amax / 448 (1 for an all-zero row or column), q = clip(x / s, -448, 448) rounded to
+     E4M3 (round to nearest even, `cvt.rn.satfinite.e4m3x2.f32`): the fp32 operations that
+     XLA compiles reference.py's functions to (`INV_E4M3_MAX`), so the results are bitwise
+     those of the references;
+  4. the row-scaled tile is stored to shared memory as is; the column-scaled tile is first
+     permuted within pairs of lanes into the WGMMA_TRANSPOSED register layout (one shuffle),
+     then stored through the transposed view of a [128, 128] fp8 buffer (2-byte stores along
+     the buffer's rows), which makes it the tile of x^T;
+  5. TMA writes the two fp8 tiles (to [Mp, Kp] and [Kp, Mp]) and the two 128-vectors of
+     scales (to [Kb, Mp] and [Mb, Kp]: one step's scales contiguous, the layout in which
+     the GEMM kernels read them).
+All outputs are padded to multiples of 128 (zeros, scale 1): the layout the GEMM kernels take,
+so their callers need no padded copies. `rows=False` skips the 1 x 128 outputs (the grouped
+weight gradient needs only the 128 x 1 ones).
+
+x is read as it is when M is a multiple of 8 and a row of x a multiple of 32 bytes (the tiled,
+swizzled shared-memory layout of its tile; TMA's 16-byte row stride follows); other shapes are
+first padded with zeros to multiples of 128 (a copy of x). The model's widths (576, 1408,
+2048, 10944, ...) and token counts qualify.
+"""
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels._hopper import default_interpret, lower_once
+from pallas_kernels.fp8.mosaic_common import BLOCK, FP8, transforms
+from pallas_kernels.fp8.reference import E4M3_MAX, _cdiv, _pad_to
+
+DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
+
+
+SWIZZLES = (128, 64, 32)  # bytes; Mosaic GPU's swizzled shared-memory tiles
+
+
+def _direct(m: int, k: int, itemsize: int) -> bool:
+    """Whether the kernel can read x [M, K] as it is: M a multiple of the 8-row tiles and a row
+    of x a multiple of the narrowest swizzle (which also makes the row stride TMA's 16 bytes)."""
+    return m % 8 == 0 and (k * itemsize) % SWIZZLES[-1] == 0
+
+
+def _swizzle_bytes(row_bytes: int) -> int:
+    """The widest shared-memory swizzle (bytes) whose tile width divides a row of x."""
+    return next(s for s in SWIZZLES if row_bytes % s == 0)
+
+
+# reference.py's amax / 448 and x / s as XLA compiles them (its algebraic simplifier turns a
+# division by a constant or by a broadcast into a multiplication by the reciprocal, on every
+# backend): amax * fl(1 / 448) and x * fl(1 / s). The kernel computes these literally, since
+# Mosaic GPU keeps a division a division.
+INV_E4M3_MAX = float(np.float32(1.0) / np.float32(E4M3_MAX))
+
+
+def _scale(amax):
+    """[128] fp32 scales of [128] tile maxima: amax / 448, 1 for an all-zero tile."""
+    return jnp.where(amax > 0, amax * INV_E4M3_MAX, 1.0)
+
+
+def _clipped(x, inv_scale):
+    """x / s (as x * fl(1 / s)) clipped to E4M3's range, fp32 (rounded by the caller's cast)."""
+    return jnp.clip(x * inv_scale, -E4M3_MAX, E4M3_MAX)
+
+
+def _call(x, rows: bool):
+    """The kernel on x [M, K] (`_direct`): (q [Mp, Kp], s_t [Kb, Mp])
+    if rows, then (qt [Kp, Mp], st [Mb, Kp])."""
+    m, k = x.shape
+    mb, kb = _cdiv(m, BLOCK), _cdiv(k, BLOCK)
+    mp, kp = mb * BLOCK, kb * BLOCK
+    x_tr = transforms(_swizzle_bytes(k * x.dtype.itemsize), x.dtype)
+    q_tr = transforms(BLOCK, FP8)
+
+    def kernel(x_ref, *out_refs):
+        (q_ref, s_ref, qt_ref, st_ref) = out_refs if rows else (None, None) + out_refs
+
+        def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar):
+            i, j = lax.axis_index("m"), lax.axis_index("k")
+            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)],
+                                    x_smem, bar)
+            plgpu.barrier_wait(bar)
+            xt = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            ax = jnp.abs(xt)
+            s_col = _scale(jnp.max(ax, axis=0))  # [128] per column: 128 x 1 tiles
+            q_col = _clipped(xt, lax.broadcast_in_dim(1.0 / s_col, xt.shape, [1]))
+            # x^T's tile: permuted within lane pairs, stored through the transposed view
+            q_col = plgpu.layout_cast(q_col, plgpu.Layout.WGMMA_TRANSPOSED)
+            qt_smem.T[...] = q_col.astype(FP8)
+            st_smem[...] = s_col
+            if rows:
+                s_row = _scale(jnp.max(ax, axis=1))  # [128] per row: 1 x 128 tiles
+                q_smem[...] = _clipped(xt, lax.broadcast_in_dim(1.0 / s_row, xt.shape, [0])).astype(FP8)
+                s_smem[...] = s_row
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(qt_smem, qt_ref.at[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)])
+            plgpu.copy_smem_to_gmem(st_smem, st_ref.at[i, pl.ds(j * BLOCK, BLOCK)])
+            if rows:
+                plgpu.copy_smem_to_gmem(q_smem, q_ref.at[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)])
+                plgpu.copy_smem_to_gmem(s_smem, s_ref.at[j, pl.ds(i * BLOCK, BLOCK)])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+        pl.run_scoped(scoped,
+                      plgpu.SMEM((BLOCK, BLOCK), x.dtype, transforms=x_tr),
+                      plgpu.SMEM((BLOCK, BLOCK), FP8, transforms=q_tr),
+                      plgpu.SMEM((BLOCK, BLOCK), FP8, transforms=q_tr),
+                      plgpu.SMEM((BLOCK,), jnp.float32),
+                      plgpu.SMEM((BLOCK,), jnp.float32),
+                      plgpu.Barrier())
+
+    cols_out = (jax.ShapeDtypeStruct((kp, mp), FP8), jax.ShapeDtypeStruct((mb, kp), jnp.float32))
+    rows_out = (jax.ShapeDtypeStruct((mp, kp), FP8), jax.ShapeDtypeStruct((kb, mp), jnp.float32))
+    call = plgpu.kernel(kernel, out_type=(rows_out if rows else ()) + cols_out, grid=(mb, kb),
+                        grid_names=("m", "k"),
+                        interpret=default_interpret())
+    return call(x)
+
+
+@lower_once
+def _padded(x, rows: bool):
+    m, k = x.shape
+    if not _direct(m, k, x.dtype.itemsize):
+        x = _pad_to(_pad_to(x, 0), 1)
+    return _call(x, rows)
+
+
+def quantize_dual(x, *, rows: bool = True, padded: bool = True):
+    """Quantise x [M, K] in 1 x 128 tiles and in 128 x 1 tiles written transposed, reading x once
+    (module docstring): bitwise `reference.quantize_rows_1x128(x)` and
+    `reference.quantize_cols_128x1_t(x)`.
+
+    Args:
+      x: [M, K] bfloat16, float16 or float32; any M, K >= 1.
+      rows: also return the 1 x 128 tiles (False: only the transposed 128 x 1 ones).
+      padded: outputs padded to multiples of 128 (zeros, scale 1), as the GEMM kernels take
+        them; False slices them to the references' shapes (a copy).
+    Returns:
+      padded: (x_q [Mp, Kp] e4m3, x_s [Mp, Kb] fp32, xt_q [Kp, Mp] e4m3, xt_s [Kp, Mb] fp32),
+      the first two only if rows; x[m, k] ~= x_q[m, k] x_s[m, k // 128]
+      ~= xt_q[k, m] xt_s[k, m // 128]. Not padded: x_q [M, K], x_s [M, Kb], xt_q [K, M],
+      xt_s [K, Mb].
+    Raises:
+      ValueError: x not 2-d, empty, or of another dtype.
+    """
+    if x.ndim != 2 or 0 in x.shape:
+        raise ValueError(f"quantize_dual needs x [M, K] with M, K >= 1, got shape {x.shape}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"quantize_dual needs x in {[str(d) for d in DTYPES]}, got {x.dtype}")
+    m, k = x.shape
+    outs = _padded(x, rows)
+    qt, st = outs[-2:]
+    res = (qt, st.T)
+    if rows:
+        res = (outs[0], outs[1].T) + res
+    if padded:
+        return res
+    mb, kb = _cdiv(m, BLOCK), _cdiv(k, BLOCK)
+    shapes = ((m, k), (m, kb), (k, m), (k, mb))[(0 if rows else 2):]
+    return tuple(t[:a, :b] for t, (a, b) in zip(res, shapes))
