@@ -35,7 +35,11 @@ Backends (`impl`):
                [K, P], x scales [P/128, K], dy^T [N, P], dy scales [P/128, N], group_sizes)` on
                the group-padded 128 x 1 operands (fp32 [E, K, N], cast to w's dtype).
                Operands are zero-padded to multiples of 128 (padded scales are 1), outputs
-               sliced back.
+               sliced back. x (forward) and dy (backward) are quantised for both of their
+               GEMMs by one kernel that reads them once (`quantize.quantize_dual`: 1 x 128
+               tiles and 128 x 1 tiles of the transpose, already padded); the grouped wgrad
+               operands by its 128 x 1 half, on the group-padded copy. The weights and the
+               grouped forward / dgrad operands are quantised in XLA (reference.py).
   "auto":      "mosaic" on a Hopper GPU, else "reference".
 """
 from __future__ import annotations
@@ -46,7 +50,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels._hopper import on_hopper
-from pallas_kernels.fp8 import mosaic_gemm, mosaic_grouped_wgrad, mosaic_wgrad
+from pallas_kernels.fp8 import mosaic_gemm, mosaic_grouped_wgrad, mosaic_wgrad, quantize
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
@@ -129,22 +133,31 @@ def _fp8_matmul(x, w, backend):
     return _fp8_matmul_fwd(x, w, backend)[0]
 
 
+def _quantize_both(backend, x):
+    """x [M, C] in 1 x 128 tiles (x_q, x_s [M, Cb]) and in 128 x 1 tiles transposed (xt_q [C, M],
+    xt_s [C, Mb]): "mosaic" reads x once in the fused kernel (`quantize.quantize_dual`, outputs
+    zero-padded to multiples of 128 with scales 1, as the GEMM kernels take them); "reference"
+    the two jnp functions. Bitwise the same values."""
+    if backend == "mosaic":
+        return quantize.quantize_dual(x)
+    return ref.quantize_rows_1x128(x) + ref.quantize_cols_128x1_t(x)
+
+
 def _fp8_matmul_fwd(x, w, backend):
-    x_q, x_s = ref.quantize_rows_1x128(x)
+    x_q, x_s, xt_q, xt_s = _quantize_both(backend, x)  # xt: x^T [K, M], scales [K, Mb]
     w_q, w_s = ref.quantize_blocks_128x128(w)  # [K, N], scales [Kb, Nb]
-    y = gemm_nt(backend, x_q, x_s, w_q.T, w_s.T, x.dtype)
-    xt_q, xt_s = ref.quantize_cols_128x1_t(x)  # x^T [K, M], scales [K, Mb]
+    y = gemm_nt(backend, x_q, x_s, w_q.T, w_s.T, x.dtype)[:x.shape[0]]
     y, w_q, xt_q = _in_order(backend, y, w_q, xt_q)
     return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
 
 
 def _fp8_matmul_bwd(backend, res, dy):
     xt_q, xt_s, w_q, w_s, x_meta, w_meta = res
-    dy_q, dy_s = ref.quantize_rows_1x128(dy)
-    dx = gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)  # dy [M, N] @ (w [K, N])^T
-    dyt_q, dyt_s = ref.quantize_cols_128x1_t(dy)  # dy^T [N, M], scales [N, Mb]
+    dy_q, dy_s, dyt_q, dyt_s = _quantize_both(backend, dy)  # dyt: dy^T [N, M], scales [N, Mb]
+    # dy [M, N] @ (w [K, N])^T; with padded (mosaic) dy, w's padded rows give dx's padded columns
+    dx = gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)[:dy.shape[0], :w_q.shape[0]]
     dx, dyt_q = _in_order(backend, dx, dyt_q)
-    dw = _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)
+    dw = _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)[:w_q.shape[0], :w_q.shape[1]]
     return dx, dw
 
 
@@ -188,12 +201,13 @@ def _dequantize_experts(q, s):
 def _grouped_wgrad_operand(backend, x, group_sizes):
     """x [M, C] -> its group-padded copy quantised in 128 x 1 tiles: "reference": (q [P, C],
     s [P/128, C]); "mosaic": (q^T [Cp, P], s [P/128, Cp]), C zero-padded to Cp, a multiple of
-    128 (the wgrad kernel reads the tokens contiguous)."""
+    128 (the wgrad kernel reads the tokens contiguous), from `quantize.quantize_dual`'s 128 x 1
+    half (bitwise the same values)."""
     x_p, _, _ = ref.pad_groups(x, group_sizes)
-    q, s = ref.quantize_cols_128x1(x_p)
-    if backend == "mosaic":
-        return ref._pad_to(q, 1).T, ref._pad_to(s, 1)
-    return q, s
+    if backend == "mosaic":  # the fused kernel's 128 x 1 half: x_p read once, written transposed
+        xt_q, xt_s = quantize.quantize_dual(x_p, rows=False)  # [Cp, P], [Cp, P/128]
+        return xt_q, xt_s.T
+    return ref.quantize_cols_128x1(x_p)
 
 
 def _grouped_gemm_nt(backend, a_q, a_s, b_q, b_s, group_sizes, out_dtype):
@@ -233,6 +247,7 @@ def _fp8_gmm_fwd(x, w, group_sizes, backend):
     # is its transpose's)
     y = _grouped_gemm_nt(backend, x_q, x_s, jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_s, 1, 2),
                          group_sizes, x.dtype)
+    y, x = _in_order(backend, y, x)  # the quantisation kernel after the forward's
     xt_q, xt_s = _grouped_wgrad_operand(backend, x, group_sizes)
     return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
 
@@ -242,6 +257,7 @@ def _fp8_gmm_bwd(backend, res, dy):
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
     # dgrad: dx = dy @ w_e^T, i.e. b = w_e [K, N] as stored (K the output, N the contraction)
     dx = _grouped_gemm_nt(backend, dy_q, dy_s, w_q, w_s, group_sizes, x_meta.dtype)
+    dx, dy = _in_order(backend, dx, dy)  # the quantisation kernel after the dgrad's
     dyt_q, dyt_s = _grouped_wgrad_operand(backend, dy, group_sizes)
     dw = _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0], w_q.shape,
                         w_meta.dtype)
