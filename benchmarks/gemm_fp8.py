@@ -24,6 +24,13 @@ and the experts' fused gate|up 2048 -> 2816 and down 1408 -> 2048. Columns:
   +q         ours with the activations' 1 x 128 quantisation (a jnp fusion) in the timed call;
              the weights are quantised once, outside
   quant ms   the activation quantisation alone
+  ours +q fused (dense rows) ours with the activation quantised by the fused kernel
+             (`pallas_kernels.fp8.quantize.quantize_dual`) in the timed call: one read of x,
+             x in 1 x 128 tiles for this GEMM and x^T in 128 x 1 tiles for the weight gradient
+             both written (fp8_linear's forward does exactly this), only the first consumed here
+  quant x2 ms (dense rows) XLA's two quantisations of x that fp8_linear needs: 1 x 128 and
+             128 x 1 transposed (`reference.quantize_cols_128x1_t`)
+  fused q ms (dense rows) the fused kernel alone, both layouts
 
 Expert rows also time the backward's two grouped GEMMs (a second table), each pre-quantised
 ("ours") and with its operands' quantisation in the timed call ("ours +q"):
@@ -211,8 +218,22 @@ def build(name, spec, tokens, key, shapes_only=False):
     if b_q.shape[-2] % 256 == 0:
         progs.append(("ours 256", ours_w, ours_args))
     progs += [("ours +q", ours_q, (a, b_q, b_s) + tail), ("quant", jax.jit(quant_rows), (a,))]
+    if not e:  # the dense layer quantises x for two GEMMs: XLA's two passes vs the fused kernel
+        from pallas_kernels.fp8 import reference as R
+        from pallas_kernels.fp8.quantize import quantize_dual
+        fused_q = jax.jit(lambda a, b_q, b_s: fp8_gemm_blockwise(
+            *_fused_rows(quantize_dual(a)), b_q, b_s)[:m])
+        progs += [("ours +qf", fused_q, (a, b_q, b_s)),
+                  ("quant2", jax.jit(lambda a: (quant_rows(a), R.quantize_cols_128x1_t(a))), (a,)),
+                  ("fused q", jax.jit(quantize_dual), (a,))]
     return dict(m=m, n=n, k=k, e=e, a=a, w=w, w0=w0, gs=gs, a_q=a_q, a_s=a_s, b_q=b_q, b_s=b_s,
                 progs=progs)
+
+
+def _fused_rows(outs):
+    """`quantize_dual`'s 1 x 128 half (x_q [Mp, Kp], x_s [Mp, Kb]) as the GEMM takes it; the
+    128 x 1 half (x^T for the weight gradient) is written by the same kernel and dropped here."""
+    return outs[0], outs[1]
 
 
 def wgrad_operands(x, dy, gs):
@@ -564,9 +585,11 @@ def main(argv=None) -> int:
                 lt = xla_route(fn.lower(*fargs).compile().as_text())
             ms[label] = seconds(fn, fargs, args.iters, args.reps) * 1e3
         errs = errors(row, outs)
-        tf = {lb: flops_of(row) / t / 1e9 for lb, t in ms.items() if lb != "quant"}
-        table.append((name, row, tf, ms["quant"], lt, errs))
-        print(name, {k: round(v) for k, v in tf.items()}, f"quant {ms['quant']:.3f} ms", lt,
+        qms = {lb: ms[lb] for lb in QUANT_LABELS if lb in ms}
+        tf = {lb: flops_of(row) / t / 1e9 for lb, t in ms.items() if lb not in QUANT_LABELS}
+        table.append((name, row, tf, qms, lt, errs))
+        print(name, {k: round(v) for k, v in tf.items()},
+              {k: f"{v:.3f} ms" for k, v in qms.items()}, lt,
               {k: f"{v:.1e}" for k, v in errs.items()}, flush=True)
         if row["e"]:
             bwd = build_grouped_bwd(row, jax.random.key(100 + i))
@@ -587,14 +610,17 @@ def main(argv=None) -> int:
     print(f"\n{dev.device_kind}, jax {jax.__version__}; median of {args.reps} x {args.iters} calls; "
           f"TFLOP/s of 2 M N K (real shape)\n")
     if table:
-        print("| row | M | N | K | E | bf16 | xla f8 (route) | ours | ours 256 | ours +q | quant ms "
-              "| err ours | ideal | err quant | err f8 xla |\n" + "|---" * 15 + "|")
+        print("| row | M | N | K | E | bf16 | xla f8 (route) | ours | ours 256 | ours +q "
+              "| ours +q fused | quant ms | quant x2 ms | fused q ms "
+              "| err ours | ideal | err quant | err f8 xla |\n" + "|---" * 18 + "|")
     for name, row, tf, qms, lt, errs in table:
         lt_s = lt or "-"
+        q = lambda lb: f"{qms[lb]:.3f}" if lb in qms else "-"  # noqa: E731
         print(f"| {name} | {row['m']} | {row['n']} | {row['k']} | {row['e'] or '-'} "
               f"| {tf['bf16']:.0f} | {tf['xla f8']:.0f} ({lt_s}) | {tf['ours']:.0f} "
-              f"| {tf.get('ours 256', float('nan')):.0f} | {tf['ours +q']:.0f} | {qms:.3f} "
-              f"| {errs['ours']:.1e} | {errs['ideal']:.1e} | {errs['quant']:.1e} "
+              f"| {tf.get('ours 256', float('nan')):.0f} | {tf['ours +q']:.0f} "
+              f"| {tf.get('ours +qf', float('nan')):.0f} | {q('quant')} | {q('quant2')} "
+              f"| {q('fused q')} | {errs['ours']:.1e} | {errs['ideal']:.1e} | {errs['quant']:.1e} "
               f"| {errs['f8 xla']:.1e} |")
     if bwd_table:
         print("\nExpert rows' backward GEMMs (TFLOP/s of 2 M N K; errors: ours vs the dequantised "
@@ -606,6 +632,9 @@ def main(argv=None) -> int:
                       f"| {btf[gemm, 'ours +q']:.0f} | {berrs[gemm][0]:.1e} | {berrs[gemm][1]:.1e} |")
     run_passes([p for p in passes if p != "fwd"], names, specs, args.tokens, args.iters, args.reps)
     return 0
+
+
+QUANT_LABELS = ("quant", "quant2", "fused q")  # timed in ms, not TFLOP/s
 
 
 def flops_of(row):
