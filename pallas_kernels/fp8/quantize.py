@@ -29,6 +29,9 @@ Kernel: a grid of (Mb, Kb) CTAs, one warpgroup each, one 128 x 128 tile of x per
   5. TMA writes the two fp8 tiles (to [Mp, Kp] and [Kp, Mp]) and the two 128-vectors of
      scales (to [Kb, Mp] and [Mb, Kp]: one step's scales contiguous, the layout in which
      the GEMM kernels read them).
+Each CTA holds 1 x 128 x 128 input and 2 x 16 KiB fp8 tiles in shared memory (64 KiB for bf16,
+96 KiB for fp32), so two or three CTAs per SM overlap one's loads with another's stores; there is
+no software pipeline within a CTA.
 All outputs are padded to multiples of 128 (zeros, scale 1): the layout the GEMM kernels take,
 so their callers need no padded copies. `rows=False` skips the 1 x 128 outputs (the grouped
 weight gradient needs only the 128 x 1 ones).
@@ -68,10 +71,11 @@ def _swizzle_bytes(row_bytes: int) -> int:
     return next(s for s in SWIZZLES if row_bytes % s == 0)
 
 
-# reference.py's amax / 448 and x / s as XLA compiles them (its algebraic simplifier turns a
-# division by a constant or by a broadcast into a multiplication by the reciprocal, on every
-# backend): amax * fl(1 / 448) and x * fl(1 / s). The kernel computes these literally, since
-# Mosaic GPU keeps a division a division.
+# reference.py's amax / 448 and x / s as XLA compiles them: its algebraic simplifier (a pass
+# of the CPU and the GPU pipelines alike; seen in the CPU-compiled HLO) turns a division by a
+# constant or by a broadcast into a multiplication by the reciprocal, amax * fl(1 / 448) and
+# x * fl(1 / s), which round differently from the divisions on E4M3 ties. The kernel writes
+# these multiplications literally, since Mosaic GPU keeps a division a division.
 INV_E4M3_MAX = float(np.float32(1.0) / np.float32(E4M3_MAX))
 
 
