@@ -16,7 +16,7 @@ touches on average under uniform routing (E (1 - (1 - k/E)^B)). Points that woul
 The HF transformers peer (`--hf BxS,...`, '' for none) runs DeepseekV2ForCausalLM in a
 subprocess with its static cache (full per-head K/V), eager, prefill of S - 1 random tokens,
 then greedy steps; its decode tokens/s comes from two `generate` calls (1 and 1 + steps new
-tokens). The default grid runs in about 8 minutes on one H100: larger contexts (131072) with
+tokens); these run first, before this process allocates the GPU's memory. The default grid runs in about 8 minutes on one H100: larger contexts (131072) with
 `--contexts`.
 """
 from __future__ import annotations
@@ -187,11 +187,17 @@ def main(argv=None) -> list:
     p.add_argument("--tiny", action="store_true", help="2 layers of small dims, batch 2, context 64, 3 steps, no HF")
     p.add_argument("--json", default="", help="also write the rows to this file")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.layers, args.batches, args.contexts, args.steps, args.hf = 2, "2", "64", 3, ""
+    # the HF peers first, each in its own process, before this one takes the GPU's memory
+    hf_rows = []
+    for pt in filter(None, args.hf.split(",")):
+        B, S = (int(x) for x in pt.split("x"))
+        hf_rows.append(run_hf(args.layers, B, S, args.steps))
+        print(fmt(hf_rows[-1]), flush=True)
     import jax
     from flax import nnx
     from dsjax.model import DeepSeekModel
-    if args.tiny:
-        args.layers, args.batches, args.contexts, args.steps, args.hf = 2, "2", "64", 3, ""
     cfg = model_config(args.layers, args.tiny)
     model = nnx.jit(lambda: DeepSeekModel(cfg, rngs=nnx.Rngs(0)))()
     dev = jax.devices()[0]
@@ -216,10 +222,7 @@ def main(argv=None) -> list:
                         r["floor_ms"] = (step_weight_bytes(cfg, B) + r["cache_gb"] * 1e9) / bw * 1e3
                     rows.append(r)
                     print(fmt(r), flush=True)
-    for pt in filter(None, args.hf.split(",")):
-        B, S = (int(x) for x in pt.split("x"))
-        rows.append(run_hf(args.layers, B, S, args.steps))
-        print(fmt(rows[-1]), flush=True)
+    rows += hf_rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)
