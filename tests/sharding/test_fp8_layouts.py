@@ -73,7 +73,10 @@ def test_sharded_fp8_linear_matches_one_device(preset):
     ks = jax.random.split(jax.random.key(hash(preset) % 1000), 4)
     x = jax.random.normal(ks[0], (8, 256, 256))
     x = jax.device_put(x, ctx.sharding(("batch", "seq", None), x.shape, strict=False))
-    for axes, n in ((("embed", "mlp"), 512), (("mlp", "embed"), 128), (("embed", "mlp"), 384)):
+    cases = [(("embed", "mlp"), 512), (("mlp", "embed"), 128)]
+    if "tensor" in PRESETS[preset]:
+        cases.append((("embed", "mlp"), 384))
+    for axes, n in cases:
         w = jax.random.normal(ks[1], (256, n)) * 0.05
         r = jax.random.normal(ks[2], (8, 256, n))
 
@@ -256,3 +259,20 @@ def test_mosaic_kernels_see_per_device_tokens(monkeypatch):
     assert ("gemm", (128, 128), (128, 128)) in seen and ("wgrad", (128, 128), (128, 128)) in seen, seen
     for a, b in zip(out["mosaic"], out["reference"]):
         assert _rel(a, b) < 1e-5
+
+
+def test_fp8_grad_accum_matches_one_batch(one_device):
+    """train.grad_accum=2 (two micro-batches of 4 rows) under fsdp=4 x data=2 gives the step-1
+    loss of one 8-row batch on one device, and its FP8 gradients up to FP8's magnification of
+    fp32 rounding: each micro-batch's wgrad tiles are whole rows of 256 tokens, the same tiles
+    as the full batch's, but the cotangents reach them scaled per micro-batch and are summed in
+    another order (measured: 0.6 % relative, 0.06 of the 10 % FP8-vs-unquantised gap; bound
+    0.15 of it)."""
+    (l0, g0, _, _, _), (_, gn, _, _, _) = one_device
+    cfg = tiny_cfg(*WIDE, *FP8, "mesh.preset=fsdp", "mesh.data=2", "mesh.fsdp=4", "train.grad_accum=2",
+                   "data.batch_size=4")
+    l1, g1, _, _, _ = run_layout(cfg, steps=1)
+    assert abs(l1[0] - l0[0]) < 1e-5
+    err, gap = _grad_err(g1[0], g0[0]), _grad_err(gn[0], g0[0])
+    print(f"\ngrad_accum=2: loss {l1[0]} vs {l0[0]}; grad err {err:.2e} (fp8 vs none {gap:.2e})")
+    assert err < 0.15 * gap
