@@ -21,10 +21,10 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.rope import apply_rope
 from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.fp8 import fp8_linear
 from pallas_kernels.fp8.frozen import Fp8Weight, fp8_linear_frozen
 from pallas_kernels.moe import swiglu
 from sharding import rules as shr
+from sharding.fp8_linear import fp8_linear_from_context
 from sharding.ring_attention import context_attention, local_attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -39,7 +39,9 @@ class Linear(nnx.Module):
 
     Under `model.fp8=blockwise` the product (forward, dgrad and wgrad) is
     `pallas_kernels.fp8.fp8_linear` of the kernel itself (E4M3, 1 x 128 / 128 x 128 scales), the
-    output in the compute dtype; fp8=False keeps a layer out of it (the lm_head). The bias and
+    output in the compute dtype; fp8=False keeps a layer out of it (the lm_head). Under a mesh
+    of several devices it runs inside `shard_map` on each device's tokens
+    (`sharding.fp8_linear.fp8_linear_from_context`, by the kernel's logical `axes`). The bias and
     a LoRA adapter stay in the compute dtype. A kernel that is a frozen `Fp8Weight` (E4M3 values
     and 128 x 128 scales, e.g. DeepSeek-V3's checkpoint loaded as it ships) is used as stored:
     `pallas_kernels.fp8.frozen.fp8_linear_frozen` (forward and dgrad, no wgrad)."""
@@ -53,13 +55,14 @@ class Linear(nnx.Module):
         self.dtype = dtype_of(cfg.dtype)
         self.lora = None  # a `dsjax.model.lora.LoraAdapter` when fine-tuned with LoRA
         self.fp8 = fp8 and cfg.fp8 == "blockwise"
+        self.axes = tuple(axes)
 
     def __call__(self, x):
         kernel = self.kernel[...]
         if isinstance(kernel, Fp8Weight):
             y = fp8_linear_frozen(x.astype(self.dtype), kernel)
         elif self.fp8:
-            y = fp8_linear(x.astype(self.dtype), kernel)
+            y = fp8_linear_from_context(x.astype(self.dtype), kernel, self.axes, ctx=shr.current())
         else:
             y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:
