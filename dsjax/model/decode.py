@@ -272,8 +272,9 @@ def stream_nll(model, tokens, cc: CacheConfig, slots: int | None = None):
     `decode_step` (jitted with the cache donated, as `dsjax.generate.generate` runs them), so each
     prediction after the first reads the cache (its dtype, sinks and window) as generation does.
     slots: the cache length S (default `cc.slots(N)`: N for a full cache, sinks + window else).
-    Returns nll [B, N - 1] float32 numpy: nll[:, t] = -log p(tokens[:, t + 1] | the cache after
-    tokens[:, :t + 1]) in nats. Raises ValueError for N < 2.
+    Returns (nll [B, N - 1] float32, top1 [B, N - 1] int32), numpy: nll[:, t] = -log p(tokens[:, t + 1]
+    | the cache after tokens[:, :t + 1]) in nats and top1[:, t] that prediction's argmax token.
+    Raises ValueError for N < 2.
     """
     B, N = tokens.shape
     if N < 2:
@@ -283,7 +284,7 @@ def stream_nll(model, tokens, cc: CacheConfig, slots: int | None = None):
 
     def nll(logits, target):
         lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-        return -jnp.take_along_axis(lp, target[:, None], axis=-1)[:, 0]
+        return -jnp.take_along_axis(lp, target[:, None], axis=-1)[:, 0], jnp.argmax(logits, -1).astype(jnp.int32)
 
     def first(st, tok, target, c):
         logits, c = prefill(nnx.merge(graphdef, st), tok, c, jnp.zeros((B,), jnp.int32), cc)
@@ -301,4 +302,4 @@ def stream_nll(model, tokens, cc: CacheConfig, slots: int | None = None):
     for t in range(1, N - 1):
         lo, cache = step(state, tokens[:, t:t + 1], tokens[:, t + 1], cache, jnp.full((B,), t, jnp.int32))
         out.append(lo)
-    return np.asarray(jnp.stack(out, axis=1))
+    return tuple(np.asarray(jnp.stack(x, axis=1)) for x in zip(*out))
