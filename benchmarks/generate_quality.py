@@ -233,7 +233,8 @@ def run(args) -> dict:
     return out
 
 
-def main(argv=None) -> int:
+def parse(argv=None) -> argparse.Namespace:
+    """The command line's options (see the module doc)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", default=None, help="a training run directory (default: train configs/tiny.yaml)")
     p.add_argument("--step", type=int, default=None, help="checkpoint step (default: newest)")
@@ -247,7 +248,11 @@ def main(argv=None) -> int:
     p.add_argument("--stream-factor", type=int, default=20, help="stream length in windows")
     p.add_argument("--stream-rows", type=int, default=4)
     p.add_argument("--json", default="", help="also write the results to this file")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
     from dsjax.cli import run_main
     out = []
     run_main("generate_quality", lambda: out.append(run(args)))
