@@ -32,6 +32,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from dsjax.model.layers import dtype_of
@@ -138,6 +139,29 @@ def _store(lc, c_kv, k_rope, write):
     return out
 
 
+def _run_layers(model, tokens, cache, cos, sin, raw_keys: bool, write, attend):
+    """The decoder stack over tokens [B, T] int32 at RoPE angles (cos, sin) [B, T, R/2]: per layer,
+    the roped queries and the new latent; the latent goes into the layer's cache with
+    `_store(..., write)` (k_rope before RoPE when raw_keys, the windowed cache, else rotated), then
+    attend(attn, q [B, T, H, Dn + R], c_kv [B, T, C], k_rope [B, T, R] rotated, the layer's new
+    cache) -> heads [B, T, H, Dv]; then o_proj and the MLP. Prefill and decode steps differ only in
+    the angles, `write` and `attend`. Returns (h [B, T, D] before the final norm, the new cache)."""
+    B, T = tokens.shape
+    h = model.embed(tokens)
+    new = []
+    for layer, lc in zip(_layers(model), cache):
+        attn = layer.self_attn
+        x = layer.input_layernorm(h)
+        q = attn.queries(x, cos, sin)
+        c_kv, k_raw = attn.latent_unroped(x)
+        k_rope = attn.rope_key(k_raw, cos, sin)
+        lc = _store(lc, c_kv, k_raw if raw_keys else k_rope, write)
+        o = attend(attn, q, c_kv, k_rope, lc)
+        h = _mlp(layer, h + attn.o_proj(o.reshape(B, T, -1)))
+        new.append(lc)
+    return h, tuple(new)
+
+
 def prefill(model, tokens, cache, last, cc: CacheConfig):
     """Run tokens [B, T] int32 at positions 0..T-1 into an empty cache (T <= S): causal
     attention over the chunk itself on expanded K/V (the full-precision latent; an int8 cache
@@ -147,25 +171,18 @@ def prefill(model, tokens, cache, last, cc: CacheConfig):
     last: [B] int32, the index of each row's last prompt token. Returns (logits [B, V] float32
     at `last`, the cache with slots 0..T-1 written).
     """
-    cfg = model.cfg
     B, T = tokens.shape
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cos, sin = rope_cos_sin(positions, model.inv_freq, model.attn_factor)
-    h = model.embed(tokens)
-    new = []
-    for layer, lc in zip(_layers(model), cache):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.queries(x, cos, sin)
-        c_kv, k_raw = attn.latent_unroped(x)
-        k_rope = attn.rope_key(k_raw, cos, sin)
+
+    def attend(attn, q, c_kv, k_rope, lc):
         k, v = attn.expand_kv(c_kv, k_rope)
-        o = flash_attention(q, k, v, causal=True, scale=model.scale, impl=cfg.attention_impl)
-        h = _mlp(layer, h + attn.o_proj(o.reshape(B, T, -1)))
-        keep = k_rope if cc.window is None else k_raw
-        new.append(_store(lc, c_kv, keep, lambda buf, val: jax.lax.dynamic_update_slice_in_dim(buf, val, 0, 1)))
+        return flash_attention(q, k, v, causal=True, scale=model.scale, impl=model.cfg.attention_impl)
+
+    h, new = _run_layers(model, tokens, cache, cos, sin, cc.window is not None,
+                         lambda buf, val: jax.lax.dynamic_update_slice_in_dim(buf, val, 0, 1), attend)
     h_last = h[jnp.arange(B), last][:, None]
-    return model.logits(model.norm(h_last))[:, 0], tuple(new)
+    return model.logits(model.norm(h_last))[:, 0], new
 
 
 def slot_layout(cur, S: int, cc: CacheConfig):
@@ -237,18 +254,52 @@ def decode_step(model, tokens, cache, cur, cc: CacheConfig):
     if key_pos is not None:
         cos_k, sin_k = rope_cos_sin(key_pos, model.inv_freq, model.attn_factor)
     rows = jnp.arange(B)
-    attend = absorbed_attention if cc.absorb else expanded_attention
-    h = model.embed(tokens)
-    new = []
-    for layer, lc in zip(_layers(model), cache):
-        attn = layer.self_attn
-        x = layer.input_layernorm(h)
-        q = attn.queries(x, cos_q, sin_q)
-        c_new, k_raw = attn.latent_unroped(x)
-        k_new = k_raw if key_pos is not None else attn.rope_key(k_raw, cos_q, sin_q)
-        lc = _store(lc, c_new, k_new, lambda buf, val: buf.at[rows, slot].set(val[:, 0]))
-        k_rope = lc["k_rope"] if key_pos is None else attn.rope_key(lc["k_rope"], cos_k, sin_k)
-        o = attend(attn, q, lc, k_rope, valid, model.scale)
-        h = _mlp(layer, h + attn.o_proj(o.reshape(B, 1, -1)))
-        new.append(lc)
-    return model.logits(model.norm(h))[:, 0], tuple(new)
+    attention = absorbed_attention if cc.absorb else expanded_attention
+
+    def attend(attn, q, c_kv, k_rope, lc):
+        keys = lc["k_rope"] if key_pos is None else attn.rope_key(lc["k_rope"], cos_k, sin_k)
+        return attention(attn, q, lc, keys, valid, model.scale)
+
+    h, new = _run_layers(model, tokens, cache, cos_q, sin_q, key_pos is not None,
+                         lambda buf, val: buf.at[rows, slot].set(val[:, 0]), attend)
+    return model.logits(model.norm(h))[:, 0], new
+
+
+def stream_nll(model, tokens, cc: CacheConfig, slots: int | None = None):
+    """Teacher-forced next-token negative log-likelihood through the generation cache.
+
+    tokens [B, N] int32 (N >= 2): token 0 is prefilled, then every later token goes through one
+    `decode_step` (jitted with the cache donated, as `dsjax.generate.generate` runs them), so each
+    prediction after the first reads the cache (its dtype, sinks and window) as generation does.
+    slots: the cache length S (default `cc.slots(N)`: N for a full cache, sinks + window else).
+    Returns (nll [B, N - 1] float32, top1 [B, N - 1] int32), numpy: nll[:, t] = -log p(tokens[:, t + 1]
+    | the cache after tokens[:, :t + 1]) in nats and top1[:, t] that prediction's argmax token.
+    Raises ValueError for N < 2.
+    """
+    B, N = tokens.shape
+    if N < 2:
+        raise ValueError(f"stream_nll: tokens must be [B, N] with N >= 2 (got shape {tokens.shape})")
+    tokens = jnp.asarray(tokens, jnp.int32)
+    graphdef, state = nnx.split(model)
+
+    def nll(logits, target):
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+        return -jnp.take_along_axis(lp, target[:, None], axis=-1)[:, 0], jnp.argmax(logits, -1).astype(jnp.int32)
+
+    def first(st, tok, target, c):
+        logits, c = prefill(nnx.merge(graphdef, st), tok, c, jnp.zeros((B,), jnp.int32), cc)
+        return nll(logits, target), c
+
+    def step(st, tok, target, c, cur):
+        logits, c = decode_step(nnx.merge(graphdef, st), tok, c, cur, cc)
+        return nll(logits, target), c
+
+    first, step = jax.jit(first, donate_argnums=(3,)), jax.jit(step, donate_argnums=(3,))
+    cache = init_cache(model.cfg, B, cc.slots(N) if slots is None else slots, cc)
+    out = []
+    lo, cache = first(state, tokens[:, :1], tokens[:, 1], cache)
+    out.append(lo)
+    for t in range(1, N - 1):
+        lo, cache = step(state, tokens[:, t:t + 1], tokens[:, t + 1], cache, jnp.full((B,), t, jnp.int32))
+        out.append(lo)
+    return tuple(np.asarray(jnp.stack(x, axis=1)) for x in zip(*out))
