@@ -149,11 +149,10 @@ def _quantize_both(backend, x):
 def _quantize_weight(backend, w):
     """w [K, N] or experts [E, K, N] in 128 x 128 blocks, as stored and transposed: (w_q
     [.., K, N], w_s [.., Kb, Nb], wt_q [.., N, K], wt_s [.., Nb, Kb]). "mosaic" reads w once
-    (`quantize.quantize_blocks_dual`, fp8 outputs zero-padded to multiples of 128, as the GEMM
-    kernels take them; w in another dtype than bf16 / fp16 / fp32 goes the XLA way);
-    "reference" `ref.quantize_blocks_128x128` (per expert) and transposes. Bitwise the same
-    values."""
-    if backend == "mosaic" and w.dtype in quantize.DTYPES:
+    (`quantize.quantize_blocks_dual`: w in bf16 / fp16 / fp32, fp8 outputs zero-padded to
+    multiples of 128, as the GEMM kernels take them); "reference" `ref.quantize_blocks_128x128`
+    (per expert) and transposes. Bitwise the same values."""
+    if backend == "mosaic":
         return quantize.quantize_blocks_dual(w)
     w_q, w_s = ref.quantize_blocks_128x128(w) if w.ndim == 2 else _quantize_experts(w)
     return w_q, w_s, jnp.swapaxes(w_q, -1, -2), jnp.swapaxes(w_s, -1, -2)
@@ -187,8 +186,9 @@ def fp8_linear(x, w, *, impl: str = "auto"):
 
     Args:
       x: [..., K] in the compute dtype (float32 / bfloat16 / float16).
-      w: [K, N] (dsjax's `Linear` kernel layout, [in, out]) in any float dtype (the master
-        weight; it is quantised from its own values, not from a cast copy).
+      w: [K, N] (dsjax's `Linear` kernel layout, [in, out]) in any float dtype ("mosaic":
+        float32 / bfloat16 / float16) (the master weight; it is quantised from its own values,
+        not from a cast copy).
       impl: "auto" | "reference" | "mosaic" (module docstring).
     Returns:
       [..., N] in x.dtype. Differentiable in x (gradient in x.dtype) and w (gradient in
@@ -291,8 +291,9 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
 
     Args:
       x: [M, K] in the compute dtype, rows sorted by expert; w: [E, K, N] ([in, out] per
-        expert), any float dtype; group_sizes: [E] int, sum <= M (rows past the sum give zeros
-        and get zero gradients; empty experts allowed).
+        expert), any float dtype ("mosaic": float32 / bfloat16 / float16); group_sizes: [E]
+        int, sum <= M (rows past the sum give zeros and get zero gradients; empty experts
+        allowed).
       impl: "auto" | "reference" | "mosaic" (module docstring; `resolve_impl`).
     Returns:
       [M, N] in x.dtype. Differentiable in x and w (gradients in their dtypes); group_sizes

@@ -192,12 +192,13 @@ def _padded(x, mode: str):
     return _call(x, mode)
 
 
-def _check(name: str, x, ndims: tuple[int, ...], want: str):
-    """Raises ValueError unless x has one of `ndims` dims, none empty, and a dtype in DTYPES."""
+def _check(fn: str, arg: str, x, ndims: tuple[int, ...], shapes: str):
+    """Raises ValueError unless x (`fn`'s argument `arg`, of `shapes`) has one of `ndims` dims,
+    none empty, and a dtype in DTYPES."""
     if x.ndim not in ndims or 0 in x.shape:
-        raise ValueError(f"{name} needs {want} with every size >= 1, got shape {x.shape}")
+        raise ValueError(f"{fn} needs {arg} {shapes} with every size >= 1, got shape {x.shape}")
     if x.dtype not in DTYPES:
-        raise ValueError(f"{name} needs x in {[str(d) for d in DTYPES]}, got {x.dtype}")
+        raise ValueError(f"{fn} needs {arg} in {[str(d) for d in DTYPES]}, got {x.dtype}")
 
 
 def quantize_dual(x, *, rows: bool = True, padded: bool = True):
@@ -218,7 +219,7 @@ def quantize_dual(x, *, rows: bool = True, padded: bool = True):
     Raises:
       ValueError: x not 2-d, empty, or of another dtype.
     """
-    _check("quantize_dual", x, (2,), "x [M, K]")
+    _check("quantize_dual", "x", x, (2,), "[M, K]")
     m, k = x.shape
     outs = _padded(x, "dual" if rows else "cols")
     qt, st = outs[-2:]
@@ -255,7 +256,7 @@ def quantize_blocks_dual(w, *, padded: bool = True):
     Raises:
       ValueError: w not 2-d or 3-d, empty, or of another dtype.
     """
-    _check("quantize_blocks_dual", w, (2, 3), "w [K, N] or [E, K, N]")
+    _check("quantize_blocks_dual", "w", w, (2, 3), "[K, N] or [E, K, N]")
     outs = _padded(w, "blocks")
     if padded:
         return outs
