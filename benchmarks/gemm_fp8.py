@@ -530,7 +530,7 @@ def dry_run(names, tokens, passes=("fwd",)):
                     extra = f" Mosaic GPU calls: {calls}"
                 print(f"{name:<15} {pass_:<6} {label:<9} compiled for {dev.device_kind} in "
                       f"{time.perf_counter() - t0:.1f} s{extra}", flush=True)
-            if not row["e"]:
+            if pass_ != "fwd" or not row["e"]:  # the grouped backward: once, from the fwd row
                 continue
             for gemm, progs in build_grouped_bwd(row, None, shapes_only=True)["progs"].items():
                 for label, fn, args in progs:

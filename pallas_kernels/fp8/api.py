@@ -38,8 +38,11 @@ Backends (`impl`):
                sliced back. x (forward) and dy (backward) are quantised for both of their
                GEMMs by one kernel that reads them once (`quantize.quantize_dual`: 1 x 128
                tiles and 128 x 1 tiles of the transpose, already padded); the grouped wgrad
-               operands by its 128 x 1 half, on the group-padded copy. The weights and the
-               grouped forward / dgrad operands are quantised in XLA (reference.py).
+               operands by its 128 x 1 half, on the group-padded copy. The weights (dense and
+               experts) by its block mode (`quantize.quantize_blocks_dual`): one read of w,
+               its blocks written as stored (the dgrad's, kept for the backward) and
+               transposed (the forward's), padded. The grouped forward / dgrad activation
+               operands are quantised in XLA (reference.py).
   "auto":      "mosaic" on a Hopper GPU, else "reference".
 """
 from __future__ import annotations
@@ -143,10 +146,22 @@ def _quantize_both(backend, x):
     return ref.quantize_rows_1x128(x) + ref.quantize_cols_128x1_t(x)
 
 
+def _quantize_weight(backend, w):
+    """w [K, N] or experts [E, K, N] in 128 x 128 blocks, as stored and transposed: (w_q
+    [.., K, N], w_s [.., Kb, Nb], wt_q [.., N, K], wt_s [.., Nb, Kb]). "mosaic" reads w once
+    (`quantize.quantize_blocks_dual`: w in bf16 / fp16 / fp32, fp8 outputs zero-padded to
+    multiples of 128, as the GEMM kernels take them); "reference" `ref.quantize_blocks_128x128`
+    (per expert) and transposes. Bitwise the same values."""
+    if backend == "mosaic":
+        return quantize.quantize_blocks_dual(w)
+    w_q, w_s = ref.quantize_blocks_128x128(w) if w.ndim == 2 else _quantize_experts(w)
+    return w_q, w_s, jnp.swapaxes(w_q, -1, -2), jnp.swapaxes(w_s, -1, -2)
+
+
 def _fp8_matmul_fwd(x, w, backend):
     x_q, x_s, xt_q, xt_s = _quantize_both(backend, x)  # xt: x^T [K, M], scales [K, Mb]
-    w_q, w_s = ref.quantize_blocks_128x128(w)  # [K, N], scales [Kb, Nb]
-    y = gemm_nt(backend, x_q, x_s, w_q.T, w_s.T, x.dtype)[:x.shape[0]]
+    w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [K, N], [Kb, Nb]; w^T [N, K], [Nb, Kb]
+    y = gemm_nt(backend, x_q, x_s, wt_q, wt_s, x.dtype)[:x.shape[0], :w.shape[1]]
     y, w_q, xt_q = _in_order(backend, y, w_q, xt_q)
     return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
 
@@ -154,10 +169,12 @@ def _fp8_matmul_fwd(x, w, backend):
 def _fp8_matmul_bwd(backend, res, dy):
     xt_q, xt_s, w_q, w_s, x_meta, w_meta = res
     dy_q, dy_s, dyt_q, dyt_s = _quantize_both(backend, dy)  # dyt: dy^T [N, M], scales [N, Mb]
-    # dy [M, N] @ (w [K, N])^T; with padded (mosaic) dy, w's padded rows give dx's padded columns
-    dx = gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)[:dy.shape[0], :w_q.shape[0]]
+    k, n = x_meta.shape[1], w_meta.shape[1]
+    # dy [M, N] @ (w [K, N])^T; with padded (mosaic) dy and w, w's padded rows give dx's padded
+    # columns
+    dx = gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)[:dy.shape[0], :k]
     dx, dyt_q = _in_order(backend, dx, dyt_q)
-    dw = _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)[:w_q.shape[0], :w_q.shape[1]]
+    dw = _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)[:k, :n]
     return dx, dw
 
 
@@ -169,8 +186,9 @@ def fp8_linear(x, w, *, impl: str = "auto"):
 
     Args:
       x: [..., K] in the compute dtype (float32 / bfloat16 / float16).
-      w: [K, N] (dsjax's `Linear` kernel layout, [in, out]) in any float dtype (the master
-        weight; it is quantised from its own values, not from a cast copy).
+      w: [K, N] (dsjax's `Linear` kernel layout, [in, out]) in any float dtype ("mosaic":
+        float32 / bfloat16 / float16) (the master weight; it is quantised from its own values,
+        not from a cast copy).
       impl: "auto" | "reference" | "mosaic" (module docstring).
     Returns:
       [..., N] in x.dtype. Differentiable in x (gradient in x.dtype) and w (gradient in
@@ -242,11 +260,10 @@ def _fp8_gmm(x, w, group_sizes, backend):
 
 def _fp8_gmm_fwd(x, w, group_sizes, backend):
     x_q, x_s = ref.quantize_rows_1x128(x)
-    w_q, w_s = _quantize_experts(w)  # [E, K, N], scales [E, Kb, Nb]
+    w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [E, K, N], [E, Kb, Nb]; transposed
     # forward: b = w_e^T [N, K] per expert (K-major, the transposed fp8 copy; a block's scale
     # is its transpose's)
-    y = _grouped_gemm_nt(backend, x_q, x_s, jnp.swapaxes(w_q, 1, 2), jnp.swapaxes(w_s, 1, 2),
-                         group_sizes, x.dtype)
+    y = _grouped_gemm_nt(backend, x_q, x_s, wt_q, wt_s, group_sizes, x.dtype)[:, :w.shape[2]]
     y, x = _in_order(backend, y, x)  # the quantisation kernel after the forward's
     xt_q, xt_s = _grouped_wgrad_operand(backend, x, group_sizes)
     return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
@@ -257,10 +274,11 @@ def _fp8_gmm_bwd(backend, res, dy):
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
     # dgrad: dx = dy @ w_e^T, i.e. b = w_e [K, N] as stored (K the output, N the contraction)
     dx = _grouped_gemm_nt(backend, dy_q, dy_s, w_q, w_s, group_sizes, x_meta.dtype)
+    dx = dx[:, :x_meta.shape[1]]  # mosaic: w_q padded, K to Kp
     dx, dy = _in_order(backend, dx, dy)  # the quantisation kernel after the dgrad's
     dyt_q, dyt_s = _grouped_wgrad_operand(backend, dy, group_sizes)
-    dw = _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0], w_q.shape,
-                        w_meta.dtype)
+    dw = _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0],
+                        w_q.shape[:1] + w_meta.shape[1:], w_meta.dtype)
     return dx, dw, None
 
 
@@ -273,8 +291,9 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
 
     Args:
       x: [M, K] in the compute dtype, rows sorted by expert; w: [E, K, N] ([in, out] per
-        expert), any float dtype; group_sizes: [E] int, sum <= M (rows past the sum give zeros
-        and get zero gradients; empty experts allowed).
+        expert), any float dtype ("mosaic": float32 / bfloat16 / float16); group_sizes: [E]
+        int, sum <= M (rows past the sum give zeros and get zero gradients; empty experts
+        allowed).
       impl: "auto" | "reference" | "mosaic" (module docstring; `resolve_impl`).
     Returns:
       [M, N] in x.dtype. Differentiable in x and w (gradients in their dtypes); group_sizes

@@ -1,40 +1,50 @@
-"""Fused FP8 quantisation of an activation for both of its GEMMs, in Pallas Mosaic GPU: one
-read of each 128 x 128 tile of x, both tile layouts written.
+"""Fused FP8 quantisation in Pallas Mosaic GPU: one read of each 128 x 128 tile of an activation
+or a weight, both layouts its GEMMs read written.
 
 Legend: M rows (tokens), K columns, Mp / Kp = M / K rounded up to multiples of 128,
-Mb = Mp / 128, Kb = Kp / 128.
+Mb = Mp / 128, Kb = Kp / 128; E experts (a weight's leading axis). A weight w [K, N] takes the
+place of x [M, K] (its K the rows, its N the columns).
 
 A linear layer's activation x [M, K] (and, in the backward, its output gradient dy) is quantised
 twice (reference.py): in 1 x 128 tiles for the forward (or dgrad) GEMM, `quantize_rows_1x128`,
 and in 128 x 1 tiles written transposed for the weight gradient, `quantize_cols_128x1_t`. Here
-one kernel does both from a single read of x: 2 (bf16 / fp16) or 4 (fp32) bytes read and
-2 bytes written per element (x_q and x^T_q, one byte each), plus 8 bytes of scales per 128
-elements.
+one kernel does both from a single read of x (`quantize_dual`): 2 (bf16 / fp16) or 4 (fp32)
+bytes read and 2 bytes written per element (x_q and x^T_q, one byte each), plus 8 bytes of
+scales per 128 elements.
 
-Kernel: a grid of (Mb, Kb) CTAs, one warpgroup each, one 128 x 128 tile of x per CTA:
+A weight w [K, N] is quantised in 128 x 128 blocks (`quantize_blocks_128x128`), read by the
+forward GEMM as w^T [N, K] and by the dgrad as w [K, N]; the same kernel in its "blocks" mode
+(`quantize_blocks_dual`) writes both copies of the blocks from one read of w, with the
+[Kb, Nb] block scales and their transpose: again 2 bytes written per element. Routed experts
+[E, K, N] are one launch, the expert index a grid dimension.
+
+Kernel: a grid of ([E,] Mb, Kb) CTAs, one warpgroup each, one 128 x 128 tile of x per CTA:
   1. TMA copies x[128 i : 128 (i + 1), 128 j : 128 (j + 1)] into shared memory; rows and
      columns past M and K are filled with zeros by the TMA unit, so a partial edge tile is
      quantised exactly as the references quantise their zero-padded tiles;
   2. the tile is loaded into registers (WGMMA layout, converted to fp32) and reduced to
      max|x| per row (within each warp: a row lives in one quad of lanes) and per column
-     (across the four warps, through shared memory);
-  3. s = amax / 448 (1 for an all-zero row or column), q = clip(x / s, -448, 448) rounded to
-     E4M3 (round to nearest even, `cvt.rn.satfinite.e4m3x2.f32`): the fp32 operations that
-     XLA compiles reference.py's functions to (`INV_E4M3_MAX`), so the results are bitwise
-     those of the references;
+     (across the four warps, through shared memory); blocks: the column maxima reduced once
+     more to the block's, a scalar;
+  3. s = amax / 448 (1 for an all-zero row, column or block), q = clip(x / s, -448, 448)
+     rounded to E4M3 (round to nearest even, `cvt.rn.satfinite.e4m3x2.f32`): the fp32
+     operations that XLA compiles reference.py's functions to (`INV_E4M3_MAX`), so the results
+     are bitwise those of the references;
   4. the row-scaled tile is stored to shared memory as is; the column-scaled tile is first
      permuted within pairs of lanes into the WGMMA_TRANSPOSED register layout (one shuffle),
      then stored through the transposed view of a [128, 128] fp8 buffer (2-byte stores along
      the buffer's rows), which makes it the tile of x^T;
   5. TMA writes the two fp8 tiles (to [Mp, Kp] and [Kp, Mp]) and the two 128-vectors of
      scales (to [Kb, Mp] and [Mb, Kp]: one step's scales contiguous, the layout in which
-     the GEMM kernels read them).
+     the GEMM kernels read them); blocks: both tiles hold the same values, and the block's scale
+     is stored (a scalar store, every thread the same value) to [Mb, Kb] and [Kb, Mb].
 Each CTA holds 1 x 128 x 128 input and 2 x 16 KiB fp8 tiles in shared memory (64 KiB for bf16,
 96 KiB for fp32), so two or three CTAs per SM overlap one's loads with another's stores; there is
 no software pipeline within a CTA.
-All outputs are padded to multiples of 128 (zeros, scale 1): the layout the GEMM kernels take,
-so their callers need no padded copies. `rows=False` skips the 1 x 128 outputs (the grouped
-weight gradient needs only the 128 x 1 ones).
+All fp8 outputs are padded to multiples of 128 (zeros; the activations' scale vectors with 1,
+the block scales need none): the layout the GEMM kernels take, so their callers need no padded
+copies. `rows=False` skips the 1 x 128 outputs (the grouped weight gradient needs only the
+128 x 1 ones).
 
 x is read as it is when M is a multiple of 8 and a row of x a multiple of 32 bytes (the tiled,
 swizzled shared-memory layout of its tile; TMA's 16-byte row stride follows); other shapes are
@@ -89,41 +99,67 @@ def _clipped(x, inv_scale):
     return jnp.clip(x * inv_scale, -E4M3_MAX, E4M3_MAX)
 
 
-def _call(x, rows: bool):
-    """The kernel on x [M, K] (`_direct`): (q [Mp, Kp], s_t [Kb, Mp])
-    if rows, then (qt [Kp, Mp], st [Mb, Kp])."""
-    m, k = x.shape
+MODES = ("dual", "cols", "blocks")
+
+
+def _call(x, mode: str):
+    """The kernel on x [M, K] or [E, M, K] (`_direct`), one CTA per 128 x 128 tile (and per
+    leading index e, a grid dimension). Returns, each with x's leading axis if it has one:
+      "dual":   (q [Mp, Kp], s_t [Kb, Mp], qt [Kp, Mp], st [Mb, Kp]): 1 x 128 tiles and the
+                transposed 128 x 1 tiles;
+      "cols":   (qt, st) alone;
+      "blocks": (q [Mp, Kp], s [Mb, Kb], qt [Kp, Mp], st [Kb, Mb]): 128 x 128 blocks, both
+                layouts of the same values, the block scales and their transpose.
+    """
+    assert mode in MODES, mode
+    *lead, m, k = x.shape
     mb, kb = _cdiv(m, BLOCK), _cdiv(k, BLOCK)
     mp, kp = mb * BLOCK, kb * BLOCK
     x_tr = transforms(_swizzle_bytes(k * x.dtype.itemsize), x.dtype)
     q_tr = transforms(BLOCK, FP8)
+    rows, blocks = mode != "cols", mode == "blocks"
 
     def kernel(x_ref, *out_refs):
         (q_ref, s_ref, qt_ref, st_ref) = out_refs if rows else (None, None) + out_refs
 
         def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar):
+            g = (lax.axis_index("e"),) if lead else ()
             i, j = lax.axis_index("m"), lax.axis_index("k")
-            plgpu.copy_gmem_to_smem(x_ref.at[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)],
-                                    x_smem, bar)
+            plgpu.copy_gmem_to_smem(
+                x_ref.at[(*g, pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK))], x_smem, bar)
             plgpu.barrier_wait(bar)
             xt = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
             ax = jnp.abs(xt)
-            s_col = _scale(jnp.max(ax, axis=0))  # [128] per column: 128 x 1 tiles
-            q_col = _clipped(xt, lax.broadcast_in_dim(1.0 / s_col, xt.shape, [1]))
+            col_max = jnp.max(ax, axis=0)  # [128] per column
+            if blocks:  # one scale for the whole block; both layouts hold the same values
+                s_blk = _scale(jnp.max(col_max))
+                q_col = q_row = _clipped(xt, 1.0 / s_blk)
+            else:
+                s_col = _scale(col_max)  # 128 x 1 tiles
+                q_col = _clipped(xt, lax.broadcast_in_dim(1.0 / s_col, xt.shape, [1]))
             # x^T's tile: permuted within lane pairs, stored through the transposed view
-            q_col = plgpu.layout_cast(q_col, plgpu.Layout.WGMMA_TRANSPOSED)
-            qt_smem.T[...] = q_col.astype(FP8)
-            st_smem[...] = s_col
-            if rows:
+            qt_smem.T[...] = plgpu.layout_cast(q_col, plgpu.Layout.WGMMA_TRANSPOSED).astype(FP8)
+            if mode == "dual":
                 s_row = _scale(jnp.max(ax, axis=1))  # [128] per row: 1 x 128 tiles
-                q_smem[...] = _clipped(xt, lax.broadcast_in_dim(1.0 / s_row, xt.shape, [0])).astype(FP8)
+                q_row = _clipped(xt, lax.broadcast_in_dim(1.0 / s_row, xt.shape, [0]))
                 s_smem[...] = s_row
-            plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(qt_smem, qt_ref.at[pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK)])
-            plgpu.copy_smem_to_gmem(st_smem, st_ref.at[i, pl.ds(j * BLOCK, BLOCK)])
+            if not blocks:
+                st_smem[...] = s_col
             if rows:
-                plgpu.copy_smem_to_gmem(q_smem, q_ref.at[pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK)])
-                plgpu.copy_smem_to_gmem(s_smem, s_ref.at[j, pl.ds(i * BLOCK, BLOCK)])
+                q_smem[...] = q_row.astype(FP8)
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(
+                qt_smem, qt_ref.at[(*g, pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK))])
+            if rows:
+                plgpu.copy_smem_to_gmem(
+                    q_smem, q_ref.at[(*g, pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK))])
+            if blocks:  # a scalar each: plain stores
+                s_ref[(*g, i, j)] = s_blk
+                st_ref[(*g, j, i)] = s_blk
+            else:
+                plgpu.copy_smem_to_gmem(st_smem, st_ref.at[(*g, i, pl.ds(j * BLOCK, BLOCK))])
+                if rows:
+                    plgpu.copy_smem_to_gmem(s_smem, s_ref.at[(*g, j, pl.ds(i * BLOCK, BLOCK))])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
         pl.run_scoped(scoped,
@@ -134,20 +170,35 @@ def _call(x, rows: bool):
                       plgpu.SMEM((BLOCK,), jnp.float32),
                       plgpu.Barrier())
 
-    cols_out = (jax.ShapeDtypeStruct((kp, mp), FP8), jax.ShapeDtypeStruct((mb, kp), jnp.float32))
-    rows_out = (jax.ShapeDtypeStruct((mp, kp), FP8), jax.ShapeDtypeStruct((kb, mp), jnp.float32))
-    call = plgpu.kernel(kernel, out_type=(rows_out if rows else ()) + cols_out, grid=(mb, kb),
-                        grid_names=("m", "k"),
+    def out(*shape, dtype=jnp.float32):
+        return jax.ShapeDtypeStruct((*lead, *shape), dtype)
+
+    if blocks:
+        out_type = (out(mp, kp, dtype=FP8), out(mb, kb), out(kp, mp, dtype=FP8), out(kb, mb))
+    else:
+        cols_out = (out(kp, mp, dtype=FP8), out(mb, kp))
+        out_type = ((out(mp, kp, dtype=FP8), out(kb, mp)) if rows else ()) + cols_out
+    call = plgpu.kernel(kernel, out_type=out_type, grid=(*lead, mb, kb),
+                        grid_names=(("e",) if lead else ()) + ("m", "k"),
                         interpret=default_interpret())
     return call(x)
 
 
 @lower_once
-def _padded(x, rows: bool):
-    m, k = x.shape
+def _padded(x, mode: str):
+    *_, m, k = x.shape
     if not _direct(m, k, x.dtype.itemsize):
-        x = _pad_to(_pad_to(x, 0), 1)
-    return _call(x, rows)
+        x = _pad_to(_pad_to(x, -2), -1)
+    return _call(x, mode)
+
+
+def _check(fn: str, arg: str, x, ndims: tuple[int, ...], shapes: str):
+    """Raises ValueError unless x (`fn`'s argument `arg`, of `shapes`) has one of `ndims` dims,
+    none empty, and a dtype in DTYPES."""
+    if x.ndim not in ndims or 0 in x.shape:
+        raise ValueError(f"{fn} needs {arg} {shapes} with every size >= 1, got shape {x.shape}")
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{fn} needs {arg} in {[str(d) for d in DTYPES]}, got {x.dtype}")
 
 
 def quantize_dual(x, *, rows: bool = True, padded: bool = True):
@@ -168,12 +219,9 @@ def quantize_dual(x, *, rows: bool = True, padded: bool = True):
     Raises:
       ValueError: x not 2-d, empty, or of another dtype.
     """
-    if x.ndim != 2 or 0 in x.shape:
-        raise ValueError(f"quantize_dual needs x [M, K] with M, K >= 1, got shape {x.shape}")
-    if x.dtype not in DTYPES:
-        raise ValueError(f"quantize_dual needs x in {[str(d) for d in DTYPES]}, got {x.dtype}")
+    _check("quantize_dual", "x", x, (2,), "[M, K]")
     m, k = x.shape
-    outs = _padded(x, rows)
+    outs = _padded(x, "dual" if rows else "cols")
     qt, st = outs[-2:]
     res = (qt, st.T)
     if rows:
@@ -183,3 +231,35 @@ def quantize_dual(x, *, rows: bool = True, padded: bool = True):
     mb, kb = _cdiv(m, BLOCK), _cdiv(k, BLOCK)
     shapes = ((m, k), (m, kb), (k, m), (k, mb))[(0 if rows else 2):]
     return tuple(t[:a, :b] for t, (a, b) in zip(res, shapes))
+
+
+def quantize_blocks_dual(w, *, padded: bool = True):
+    """Quantise w [K, N] (or each w[e] of [E, K, N]) in 128 x 128 blocks, reading w once and
+    writing the blocks both as stored and transposed (module docstring, "blocks"): bitwise
+    `reference.quantize_blocks_128x128(w)` and its transpose.
+
+    A weight's forward GEMM reads w^T [N, K] (K-major) and its dgrad w [K, N]; one kernel writes
+    both. Each CTA reduces its block to one max|w| (per column, then across the columns),
+    s = amax * fl(1 / 448) (1 for a zero block), q = clip(w * fl(1 / s), -448, 448) in E4M3:
+    the reference's arithmetic as XLA compiles it (`INV_E4M3_MAX`). An expert axis is a grid
+    dimension (one launch for all experts).
+
+    Args:
+      w: [K, N] or [E, K, N] bfloat16, float16 or float32; any K, N >= 1.
+      padded: outputs padded to multiples of 128 (zeros, scale 1), as the GEMM kernels take
+        them; False slices them to the reference's shapes (a copy).
+    Returns:
+      padded: (w_q [.., Kp, Np] e4m3, w_s [.., Kb, Nb] fp32, wt_q [.., Np, Kp] e4m3,
+      wt_s [.., Nb, Kb] fp32), `..` w's expert axis if it has one; w[k, n] ~= w_q[k, n]
+      w_s[k // 128, n // 128], wt_q = w_q^T and wt_s = w_s^T. Not padded: w_q [.., K, N],
+      wt_q [.., N, K] (the scales have no padding).
+    Raises:
+      ValueError: w not 2-d or 3-d, empty, or of another dtype.
+    """
+    _check("quantize_blocks_dual", "w", w, (2, 3), "[K, N] or [E, K, N]")
+    outs = _padded(w, "blocks")
+    if padded:
+        return outs
+    k, n = w.shape[-2:]
+    w_q, w_s, wt_q, wt_s = outs
+    return w_q[..., :k, :n], w_s, wt_q[..., :n, :k], wt_s

@@ -1,10 +1,13 @@
-"""The fused FP8 quantisation kernel (`pallas_kernels.fp8.quantize.quantize_dual`, Mosaic GPU in
-GPU interpret mode here): bitwise equality of both outputs (1 x 128 tiles; 128 x 1 tiles written
-transposed) with `reference.quantize_rows_1x128` and `reference.quantize_cols_128x1_t` on random
-inputs with outliers, zero tiles, partial edge tiles and values on E4M3 rounding ties, in bf16,
-fp16 and fp32; the padded layout the GEMMs take; the 128 x 1 half alone; race detection;
-fp8_linear / fp8_grouped_gemm with impl="mosaic" against the reference path; and the lowering
-for a Hopper GPU from this CPU."""
+"""The fused FP8 quantisation kernel (`pallas_kernels.fp8.quantize`, Mosaic GPU in GPU interpret
+mode here): bitwise equality of both outputs of `quantize_dual` (1 x 128 tiles; 128 x 1 tiles
+written transposed) with `reference.quantize_rows_1x128` and `reference.quantize_cols_128x1_t`,
+and of `quantize_blocks_dual` (128 x 128 blocks as stored and transposed, dense and per expert)
+with `reference.quantize_blocks_128x128`, on random inputs with outliers, zero tiles, partial
+edge tiles and values on E4M3 rounding ties, in bf16, fp16 and fp32; the padded layout the GEMMs
+take; the 128 x 1 half alone; race detection; fp8_linear / fp8_grouped_gemm with impl="mosaic"
+against the reference path, their backward reusing the forward's weight blocks; and the
+lowering for a Hopper GPU from this CPU."""
+import functools
 import re
 
 import jax
@@ -15,7 +18,7 @@ import pytest
 from pallas_kernels import _hopper
 from pallas_kernels.fp8 import fp8_grouped_gemm, fp8_linear, quantize
 from pallas_kernels.fp8 import reference as R
-from pallas_kernels.fp8.quantize import quantize_dual
+from pallas_kernels.fp8.quantize import quantize_blocks_dual, quantize_dual
 
 
 def bits(a):
@@ -81,6 +84,12 @@ def test_refusals():
         quantize_dual(jnp.ones((128, 128), jnp.int8))
     with pytest.raises(ValueError, match=r"x \[M, K\]"):
         quantize_dual(jnp.ones((2, 128, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"w \[K, N\] or \[E, K, N\]"):
+        quantize_blocks_dual(jnp.ones((2, 2, 128, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"every size >= 1"):
+        quantize_blocks_dual(jnp.ones((0, 128, 128), jnp.bfloat16))
+    with pytest.raises(ValueError, match=r"needs w in .*float32.*got float8_e4m3fn"):
+        quantize_blocks_dual(jnp.ones((128, 128), jnp.float8_e4m3fn))
 
 
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
@@ -88,8 +97,61 @@ def test_no_races(kernel_races, monkeypatch):
     monkeypatch.setattr(quantize, "default_interpret",
                         lambda: _hopper.interpret_params(detect_races=True))
     x = activation((256, 256), jnp.bfloat16, seed=4)
-    jax.block_until_ready(quantize._call(x, True))
-    assert kernel_races and not any(kernel_races), kernel_races
+    jax.block_until_ready(quantize._call(x, "dual"))
+    jax.block_until_ready(quantize._call(jnp.stack([x, -2 * x]), "blocks"))
+    assert len(kernel_races) == 2 and not any(kernel_races), kernel_races
+
+
+def weight(shape, dtype, seed):
+    """`activation`'s values, per expert for a leading axis E (each its own seed; expert 1 scaled
+    by 1e-3, small scales): outliers, a zero 128 x 128 block, zero rows and columns, and (but
+    for expert 1) a block of amax 448 whose values 92, 13, -0.6875 sit on E4M3 rounding ties."""
+    if len(shape) == 2:
+        return activation(shape, dtype, seed)
+    return jnp.stack([activation(shape[1:], jnp.float32, seed + e) * (1e-3 if e == 1 else 1.0)
+                      for e in range(shape[0])]).astype(dtype)
+
+
+def assert_blocks_bitwise(outs, w):
+    q, s = (R.quantize_blocks_128x128(w) if w.ndim == 2
+            else jax.vmap(R.quantize_blocks_128x128)(w))
+    refs = (q, s, jnp.swapaxes(q, -1, -2), jnp.swapaxes(s, -1, -2))
+    for name, got, want in zip(("w_q", "w_s", "wt_q", "wt_s"), outs, refs):
+        assert got.shape == want.shape and got.dtype == want.dtype, (name, got.shape, want.shape)
+        diff = np.argwhere(bits(got) != bits(want))
+        assert not len(diff), (name, len(diff), diff[:5])
+
+
+@pytest.mark.parametrize("shape,dtype", [
+    ((576, 1408), jnp.bfloat16), ((10944, 200), jnp.float32), ((1408, 200), jnp.float16),
+    ((200, 576), jnp.bfloat16), ((3, 200, 300), jnp.float16), ((3, 256, 1408), jnp.bfloat16),
+    ((3, 136, 576), jnp.float32)])
+def test_blocks_bitwise_equal_to_the_reference(shape, dtype):
+    """128 x 128 blocks, both layouts: dense weights of the model's widths (576, 1408, 10944 =
+    85.5 blocks) and partial edge blocks (200, 136, 300), experts [E, K, N] as one launch
+    (E = 3), read directly (128- and 32-byte swizzles) or through the padded copy (rows of 200
+    or 300 fp16: 400 and 600 bytes)."""
+    w = weight(shape, dtype, seed=sum(shape))
+    outs = jax.jit(lambda w: quantize_blocks_dual(w, padded=False))(w)
+    assert_blocks_bitwise(outs, w)
+
+
+def test_blocks_padded_layout_and_scales():
+    """The padded outputs are the GEMMs' layout (zeros past w, in both copies); the scales are
+    per block (one max over 128 x 128 elements: an outlier sets its whole block's scale, an
+    all-zero block gets 1), wt_q is w_q transposed bit for bit."""
+    w = jax.random.normal(jax.random.key(5), (2, 300, 200), jnp.float32)
+    w = w.at[0, 130, 7].set(-3e3).at[1, :128, 128:].set(0.0)
+    w_q, w_s, wt_q, wt_s = jax.jit(quantize_blocks_dual)(w)
+    assert w_q.shape == (2, 384, 256) and wt_q.shape == (2, 256, 384)
+    assert w_s.shape == (2, 3, 2) and wt_s.shape == (2, 2, 3)
+    assert (bits(wt_q) == bits(jnp.swapaxes(w_q, 1, 2))).all()
+    assert (np.asarray(wt_s) == np.swapaxes(np.asarray(w_s), 1, 2)).all()
+    assert not bits(w_q[:, 300:]).any() and not bits(w_q[:, :, 200:]).any()
+    assert np.asarray(w_s)[0, 1, 0] == np.float32(3e3) * np.float32(quantize.INV_E4M3_MAX)
+    assert np.asarray(w_s)[1, 0, 1] == 1.0 and not bits(w_q[1, :128, 128:]).any()
+    assert np.asarray(w_q[0, 130, 7], np.float32) == -448.0
+    assert_blocks_bitwise((w_q[:, :300, :200], w_s, wt_q[:, :200, :300], wt_s), w)
 
 
 def rel(a, b):
@@ -144,10 +206,71 @@ class _H100:
     platform, compute_capability, core_count = "gpu", "9.0", 132
 
 
+def test_weights_quantised_once_by_the_kernel(monkeypatch):
+    """impl="mosaic": fp8_linear and fp8_grouped_gemm quantise w by one `quantize_blocks_dual`
+    call per forward + backward and never in XLA; the residual kept for the dgrad is the
+    kernel's padded w_q (the dense one checked bitwise). The GEMM kernels are replaced by the
+    reference's promoted sums (the kernels themselves run in the tests above and in
+    test_mosaic_grouped.py); forward and gradients equal impl="reference"'s."""
+    from pallas_kernels.fp8 import api
+    monkeypatch.setattr(api.mosaic_gemm, "fp8_gemm_blockwise",
+                        lambda a_q, a_s, b_q, b_s, out_dtype: R.gemm_blockwise_reference(
+                            a_q, a_s, b_q, b_s, out_dtype=out_dtype))
+    monkeypatch.setattr(api.mosaic_wgrad, "fp8_gemm_1d1d",
+                        lambda a_q, a_s, b_q, b_s, out_dtype: R.gemm_1d1d_reference(
+                            a_q, a_s, b_q, b_s, out_dtype=out_dtype))
+    monkeypatch.setattr(api.mosaic_gemm, "fp8_gmm_blockwise",
+                        lambda a_q, a_s, b_q, b_s, gs, out_dtype: R.grouped_gemm_blockwise_reference(
+                            a_q, a_s, jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2), gs,
+                            out_dtype=out_dtype))
+    keys = jax.random.split(jax.random.key(12), 6)
+    gs = jnp.array([70, 0, 130])
+    x, xg = jax.random.normal(keys[0], (136, 300)), jax.random.normal(keys[1], (256, 200))
+    w = jax.random.normal(keys[2], (300, 200), jnp.bfloat16) * 0.05
+    wg = jax.random.normal(keys[3], (3, 200, 136)) * 0.05
+    r, rg = jax.random.normal(keys[4], (136, 200)), jax.random.normal(keys[5], (256, 136))
+
+    def run(impl):
+        def f(x, w):
+            y = fp8_linear(x, w, impl=impl)
+            return jnp.sum(y * r), y
+
+        def g(x, w):
+            y = fp8_grouped_gemm(x, w, gs, impl=impl)
+            return jnp.sum(y * rg), y
+        grad = functools.partial(jax.value_and_grad, argnums=(0, 1), has_aux=True)
+        return [jax.block_until_ready(jax.jit(grad(h))(a, b))
+                for h, a, b in ((f, x, w), (g, xg, wg))]
+
+    want = run("reference")
+    calls, real = [], quantize.quantize_blocks_dual
+
+    def counted(w, **kw):
+        calls.append(w.shape)
+        return real(w, **kw)
+
+    def refused(w):
+        raise AssertionError("w quantised in XLA")
+
+    monkeypatch.setattr(quantize, "quantize_blocks_dual", counted)
+    monkeypatch.setattr(R, "quantize_blocks_128x128", refused)
+    got = run("mosaic")
+    assert calls == [(300, 200), (3, 200, 136)], calls
+    for ((_, y), (dx, dw)), ((_, y_r), (dx_r, dw_r)) in zip(got, want):
+        assert rel(y, y_r) < 1e-6 and rel(dx, dx_r) < 1e-6
+        assert rel(dw, dw_r) < (1e-6 if dw.dtype == jnp.float32 else 2 ** -8)
+        assert dw.dtype == dw_r.dtype
+    _, vjp = jax.vjp(lambda w: fp8_linear(x, w, impl="mosaic"), w)
+    res = [l for l in jax.tree.leaves(vjp) if getattr(l, "dtype", None) == jnp.float8_e4m3fn]
+    w_q = real(w)[0]
+    assert any(l.shape == w_q.shape and (bits(l) == bits(w_q)).all() for l in res)
+
+
 def test_lowers_for_hopper():
-    """Mosaic GPU lowering (layout inference, the cross-warp column maximum, the transposed
-    fp8 store, every swizzle) for CUDA on this CPU; fp8_linear's forward + backward runs two
-    quantisation kernels (x, dy) beside its three GEMMs."""
+    """Mosaic GPU lowering (layout inference, the cross-warp column maximum, the block maximum
+    and scalar scale stores, the transposed fp8 store, every swizzle) for CUDA on this CPU;
+    fp8_linear's forward + backward runs three quantisation kernels (x, dy, w) beside its three
+    GEMMs and converts nothing to fp8 in XLA."""
     S = jax.ShapeDtypeStruct
     for shape, dtype in (((8192, 10944), jnp.bfloat16), ((512, 1056), jnp.bfloat16),
                          ((512, 208), jnp.float32), ((520, 576), jnp.float16)):
@@ -156,6 +279,12 @@ def test_lowers_for_hopper():
                 text = jax.jit(lambda x, rows=rows: quantize_dual(x, rows=rows)).trace(
                     S(shape, dtype)).lower(lowering_platforms=("cuda",)).as_text()
             assert len(re.findall(r'kernel_hash = "', text)) == 1, (shape, dtype, rows)
+    for shape, dtype in (((2048, 10944), jnp.bfloat16), ((64, 2048, 1408), jnp.bfloat16),
+                         ((3, 1408, 2048), jnp.float32), ((520, 200), jnp.float16)):
+        with _hopper.target_device(_H100()):
+            text = jax.jit(quantize_blocks_dual).trace(S(shape, dtype)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert len(re.findall(r'kernel_hash = "', text)) == 1, (shape, dtype)
 
     def fwd_bwd(x, w, dy):
         y, vjp = jax.vjp(lambda x, w: fp8_linear(x, w, impl="mosaic"), x, w)
@@ -166,4 +295,5 @@ def test_lowers_for_hopper():
                                       S((512, 576), jnp.bfloat16)).lower(
             lowering_platforms=("cuda",)).as_text()
     hashes = re.findall(r'kernel_hash = "((?:[^"\\]|\\.)*)"', text)
-    assert len(hashes) == 5 and len(set(hashes)) == 5, len(hashes)
+    assert len(hashes) == 6 and len(set(hashes)) == 6, len(hashes)
+    assert not re.search(r"stablehlo.convert .*-> tensor<[0-9x]*f8E4M3FN>", text)
