@@ -96,7 +96,8 @@ def parse_hlo(text: str):
 def _read_bytes(comp: list) -> dict:
     """Parameter index -> bytes a fused computation reads of it, where every use (through
     bitcasts, reshapes, converts and roundings, which the fusion computes per element used) is
-    the sliced operand of a gather or dynamic slice; other parameters are absent (read whole)."""
+    the sliced operand of a gather, dynamic slice or static slice (e.g. one layer of a stacked weight
+    that a kernel's fusion takes); other parameters are absent (read whole)."""
     users, params, types = collections.defaultdict(list), {}, {}
     for name, ty, op, operands, attrs, line in comp:
         types[name] = ty
@@ -114,12 +115,12 @@ def _read_bytes(comp: list) -> dict:
             for name, op, j in users.get(node, []):
                 if op in ("bitcast", "reshape", "convert", "reduce-precision"):
                     todo.append(name)
-                elif op in ("gather", "dynamic-slice") and j == 0:
+                elif op in ("gather", "dynamic-slice", "slice") and j == 0:
                     total += type_bytes(types[name])
                 else:
                     sliced = False
-        if sliced:
-            out[i] = total
+        if sliced:  # several slices of one operand read at most all of it
+            out[i] = min(total, type_bytes(types[p]))
     return out
 
 
