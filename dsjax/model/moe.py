@@ -198,9 +198,10 @@ class MoE(nnx.Module):
 
         fp8 = c.fp8 == "blockwise"  # quantised from the weights themselves, not a cast copy
         ws = tuple(getattr(self, p)[...] if fp8 else getattr(self, p)[...].astype(dt) for p in EXPERT_PROJS)
-        # the FP8 GEMMs read no stacks in place and write no gradient sinks
+        # the FP8 GEMMs read no stacks in place (each layer's weights are quantised, a read of
+        # the stack's slice); their weight gradients go to the sinks as the others' do
         in_stacks = tuple(None if fp8 else _in_stack(p, dt) for p in EXPERT_PROJS)
-        sinks = tuple(_dw_sink(p, c.n_routed_experts) if st is not None else None
+        sinks = tuple(_dw_sink(p, c.n_routed_experts) if fp8 or st is not None else None
                       for p, st in zip(EXPERT_PROJS, in_stacks))
         g, u = expert_matmuls(xs, ws[:2], pairs[:2], group_sizes, s, c.moe_impl, rate, in_stacks[:2],
                               sinks[:2], fp8=fp8)
