@@ -52,7 +52,9 @@ def expert_stacks(stacks, i: int):
 @contextlib.contextmanager
 def expert_grad_sinks(sinks, squares=None):
     """Within this context the routed experts' weight gradients of unrolled MoE layers that read
-    their weights in place (`expert_stacks`) go to `sinks` ({name in EXPERT_PROJS: mutable ref
+    their weights in place (`expert_stacks`), or quantise them for the FP8 GEMMs
+    (model.fp8=blockwise, `pallas_kernels.fp8.fp8_grouped_gemm(dw_sink=...)`), go to `sinks`
+    ({name in EXPERT_PROJS: mutable ref
     [L * E, in, out] in the stack's dtype}, made outside `jax.grad`): layer i's dW kernel
     writes rows i E .. (i + 1) E in place and the layer's weight gets a zero gradient
     (`grouped_matmul(dw_sink=...)`), so the stack's gradient is the ref's value with no
@@ -71,8 +73,9 @@ def expert_grad_sinks(sinks, squares=None):
 
 
 def _dw_sink(name: str, n_experts: int):
-    """(ref, row[, sq]) for `grouped_matmul(dw_sink=...)` of this layer's weight `name`, or None: only
-    where `_in_stack` reads the layer in place and a sink of the stack's shape is active."""
+    """(ref, row[, sq]) for `grouped_matmul(dw_sink=...)` (or the FP8 GEMM's) of this layer's
+    weight `name`, or None: only under `expert_stacks` with a sink of the stack's shape and
+    dtype active; the caller asks where the layer's GEMMs read the stack in place or are FP8."""
     held, sunk = getattr(_STACKS, "value", None), getattr(_SINKS, "value", None)
     if held is None or sunk is None or name not in sunk[0]:
         return None
