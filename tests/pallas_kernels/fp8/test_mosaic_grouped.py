@@ -151,11 +151,21 @@ def test_grouped_impl_resolution(monkeypatch):
 
 
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
-def test_wgrad_no_races(kernel_races, monkeypatch):
+@pytest.mark.parametrize("into", [False, True])
+def test_wgrad_no_races(kernel_races, monkeypatch, into):
+    """No race in the kernel, also when it writes bf16 into a ref with the squares (`out=`)."""
     monkeypatch.setattr(mw, "default_interpret", lambda: _hopper.interpret_params(detect_races=True))
     gs = jnp.asarray((60, 0, 200, 0), jnp.int32)
     (xq, xs), (dq, ds), _ = wgrad_operands(3, 260, 256, 256, gs)
-    finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
+    if into:
+        def run(xq, xs, dq, ds):
+            ref = jax.empty_ref(jax.ShapeDtypeStruct((E, 256, 256), jnp.bfloat16))
+            sq = jax.empty_ref(jax.ShapeDtypeStruct((E, 4, 256), jnp.float32))
+            fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, out=ref, out_row=0, sq_out=sq)
+            return ref[...], sq[...]
+        finished(jax.jit(run)(xq, xs, dq, ds))
+    else:
+        finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
     assert len(kernel_races) == 1 and not any(kernel_races), kernel_races
 
 
