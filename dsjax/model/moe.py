@@ -52,7 +52,9 @@ def expert_stacks(stacks, i: int):
 @contextlib.contextmanager
 def expert_grad_sinks(sinks, squares=None):
     """Within this context the routed experts' weight gradients of unrolled MoE layers that read
-    their weights in place (`expert_stacks`) go to `sinks` ({name in EXPERT_PROJS: mutable ref
+    their weights in place (`expert_stacks`), or quantise them for the FP8 GEMMs
+    (model.fp8=blockwise, `pallas_kernels.fp8.fp8_grouped_gemm(dw_sink=...)`), go to `sinks`
+    ({name in EXPERT_PROJS: mutable ref
     [L * E, in, out] in the stack's dtype}, made outside `jax.grad`): layer i's dW kernel
     writes rows i E .. (i + 1) E in place and the layer's weight gets a zero gradient
     (`grouped_matmul(dw_sink=...)`), so the stack's gradient is the ref's value with no
@@ -71,8 +73,9 @@ def expert_grad_sinks(sinks, squares=None):
 
 
 def _dw_sink(name: str, n_experts: int):
-    """(ref, row[, sq]) for `grouped_matmul(dw_sink=...)` of this layer's weight `name`, or None: only
-    where `_in_stack` reads the layer in place and a sink of the stack's shape is active."""
+    """(ref, row[, sq]) for `grouped_matmul(dw_sink=...)` (or the FP8 GEMM's) of this layer's
+    weight `name`, or None: only under `expert_stacks` with a sink of the stack's shape and
+    dtype active; the caller asks where the layer's GEMMs read the stack in place or are FP8."""
     held, sunk = getattr(_STACKS, "value", None), getattr(_SINKS, "value", None)
     if held is None or sunk is None or name not in sunk[0]:
         return None
@@ -198,9 +201,10 @@ class MoE(nnx.Module):
 
         fp8 = c.fp8 == "blockwise"  # quantised from the weights themselves, not a cast copy
         ws = tuple(getattr(self, p)[...] if fp8 else getattr(self, p)[...].astype(dt) for p in EXPERT_PROJS)
-        # the FP8 GEMMs read no stacks in place and write no gradient sinks
+        # the FP8 GEMMs read no stacks in place (each layer's weights are quantised, a read of
+        # the stack's slice); their weight gradients go to the sinks as the others' do
         in_stacks = tuple(None if fp8 else _in_stack(p, dt) for p in EXPERT_PROJS)
-        sinks = tuple(_dw_sink(p, c.n_routed_experts) if st is not None else None
+        sinks = tuple(_dw_sink(p, c.n_routed_experts) if fp8 or st is not None else None
                       for p, st in zip(EXPERT_PROJS, in_stacks))
         g, u = expert_matmuls(xs, ws[:2], pairs[:2], group_sizes, s, c.moe_impl, rate, in_stacks[:2],
                               sinks[:2], fp8=fp8)

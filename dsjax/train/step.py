@@ -210,7 +210,8 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
 
     def expert_sinks(weights):
         """({name: uninitialised ref [L * E, in, out]}, {name: its squares' ref}) for the
-        trainable routed-expert stacks whose unrolled layers read their weights in place (one
+        trainable routed-expert stacks whose unrolled layers read their weights in place, or
+        quantise them (model.fp8=blockwise: the FP8 wgrad kernel writes the sink too) (one
         device, layers unrolled, no remat and no model.moe_recompute: with jax 0.11.2 a step
         that writes a ref under `jax.checkpoint` fails at execution with an argument-count
         error): their dW kernels write the stacked gradient there, and its partial sums of

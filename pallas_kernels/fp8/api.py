@@ -33,7 +33,8 @@ Backends (`impl`):
                (the transposed fp8 copy of the quantised experts [E, N, K]) and b = w_e ([E, K, N]
                as quantised: K the output), wgrad `mosaic_grouped_wgrad.fp8_grouped_wgrad(x^T
                [K, P], x scales [P/128, K], dy^T [N, P], dy scales [P/128, N], group_sizes)` on
-               the group-padded 128 x 1 operands (fp32 [E, K, N], cast to w's dtype).
+               the group-padded 128 x 1 operands (fp32 [E, K, N], cast to w's dtype; with a
+               `dw_sink`, cast in the kernel's epilogue and written into the sink in place).
                Operands are zero-padded to multiples of 128 (padded scales are 1), outputs
                sliced back. x (forward) and dy (backward) are quantised for both of their
                GEMMs by one kernel that reads them once (`quantize.quantize_dual`: 1 x 128
@@ -55,6 +56,7 @@ import jax.numpy as jnp
 from pallas_kernels._hopper import on_hopper
 from pallas_kernels.fp8 import mosaic_gemm, mosaic_grouped_wgrad, mosaic_wgrad, quantize
 from pallas_kernels.fp8 import reference as ref
+from pallas_kernels.moe.api import check_dw_sink, store_dw
 from pallas_kernels.moe.reference import grouped_matmul_reference
 
 IMPLS = ("auto", "reference", "mosaic")
@@ -253,6 +255,35 @@ def _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, m, shape, out
     return ref.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, e, out_dtype=out_dtype)
 
 
+def _grouped_wgrad_into(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, m, sink):
+    """`_grouped_wgrad`'s dw written into sink = (ref [G, K, N], row[, sq]) at rows row ..
+    row + E (`pallas_kernels.moe.api.check_dw_sink`): "mosaic" with K and N multiples of 128
+    and squares whose column chunk the epilogue can sum: by the kernel in place, each fp32 sum
+    cast once to ref's dtype; otherwise dw in ref's dtype by `_grouped_wgrad`, then
+    `store_dw` (a dynamic update of the ref). The same values either way."""
+    dw_ref, row, *sq = sink
+    e = group_sizes.shape[0]
+    k, n = dw_ref.shape[1:]
+    if backend == "mosaic" and (xt_q.shape[0], dyt_q.shape[0]) == (k, n):
+        width = n // sq[0].shape[1] if sq else ref.BLOCK
+        config = mosaic_grouped_wgrad.WgradConfig(tile_n=max(ref.BLOCK, width))
+        if width in mosaic_grouped_wgrad.SQ_WIDTHS and n % config.tile_n == 0:
+            mosaic_grouped_wgrad.fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes, config=config,
+                                                   out=dw_ref, out_row=row, sq_out=sq[0] if sq else None)
+            return
+    store_dw(sink, _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, m, (e, k, n),
+                                  dw_ref.dtype))
+
+
+def _sunk_marker(backend, sink, dx):
+    """dx, ordered after the write into sink where the kernels run in interpret mode
+    (`_in_order`): tied to one element read back from the ref, which the write produced."""
+    if backend != "mosaic" or on_hopper():
+        return dx
+    dw_ref, row = sink[:2]
+    return _in_order(backend, dx, dw_ref[row, 0, 0])[0]
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
 def _fp8_gmm(x, w, group_sizes, backend):
     return _fp8_gmm_fwd(x, w, group_sizes, backend)[0]
@@ -269,7 +300,7 @@ def _fp8_gmm_fwd(x, w, group_sizes, backend):
     return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
 
 
-def _fp8_gmm_bwd(backend, res, dy):
+def _fp8_gmm_bwd(backend, res, dy, sink=None):
     xt_q, xt_s, w_q, w_s, group_sizes, x_meta, w_meta = res
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
     # dgrad: dx = dy @ w_e^T, i.e. b = w_e [K, N] as stored (K the output, N the contraction)
@@ -277,6 +308,9 @@ def _fp8_gmm_bwd(backend, res, dy):
     dx = dx[:, :x_meta.shape[1]]  # mosaic: w_q padded, K to Kp
     dx, dy = _in_order(backend, dx, dy)  # the quantisation kernel after the dgrad's
     dyt_q, dyt_s = _grouped_wgrad_operand(backend, dy, group_sizes)
+    if sink is not None:  # w's gradient goes to the sink; w gets none
+        _grouped_wgrad_into(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0], sink)
+        return _sunk_marker(backend, sink, dx), None, None
     dw = _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0],
                         w_q.shape[:1] + w_meta.shape[1:], w_meta.dtype)
     return dx, dw, None
@@ -285,7 +319,16 @@ def _fp8_gmm_bwd(backend, res, dy):
 _fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
 
 
-def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
+def _fp8_gmm_sinking(sink):
+    """`_fp8_gmm` whose weight gradient is written into sink = (ref, row[, sq])
+    (`_grouped_wgrad_into`)."""
+    f = jax.custom_vjp(lambda x, w, group_sizes, backend: _fp8_gmm_fwd(x, w, group_sizes, backend)[0],
+                       nondiff_argnums=(3,))
+    f.defvjp(_fp8_gmm_fwd, lambda backend, res, dy: _fp8_gmm_bwd(backend, res, dy, sink))
+    return f
+
+
+def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
     """Grouped GEMM of the routed experts in FP8: out[i] = x[i] @ w[g(i)], rows grouped
     consecutively by group_sizes (the layout of `pallas_kernels.moe.grouped_matmul`).
 
@@ -295,14 +338,22 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
         int, sum <= M (rows past the sum give zeros and get zero gradients; empty experts
         allowed).
       impl: "auto" | "reference" | "mosaic" (module docstring; `resolve_impl`).
+      dw_sink: None, or (ref, row) or (ref, row, sq), as `pallas_kernels.moe.grouped_matmul`'s:
+        w's gradient (the same values, in w's dtype) is written into the mutable ref
+        [G, K, N] at rows row .. row + E and w gets a zero gradient; sq (fp32,
+        `pallas_kernels.moe.dw_sq_shape(ref.shape, w.dtype)`) gets its partial sums of
+        squares at the same rows. "mosaic" with K and N multiples of 128: the wgrad kernel
+        writes both in place from its fp32 sums (`_grouped_wgrad_into`).
     Returns:
       [M, N] in x.dtype. Differentiable in x and w (gradients in their dtypes); group_sizes
       gets none. Forward: x 1 x 128, w 128 x 128 per expert; dgrad: dy 1 x 128, w^T blocks;
       wgrad: x and dy 128 x 1 over each expert's tokens (tiles never span two experts).
     Raises:
-      ValueError: shapes that do not fit, or an unknown impl.
+      ValueError: shapes that do not fit, an unknown impl, or a dw_sink that does not take w's
+        gradient (`check_dw_sink`).
     """
     if w.ndim != 3 or x.ndim != 2 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"fp8_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, group_sizes "
                          f"{list(group_sizes.shape)} do not fit (want x [M, K], w [E, K, N], [E])")
-    return _fp8_gmm(x, w, group_sizes.astype(jnp.int32), resolve_impl(impl))
+    gmm = _fp8_gmm if dw_sink is None else _fp8_gmm_sinking(check_dw_sink(dw_sink, w))
+    return gmm(x, w, group_sizes.astype(jnp.int32), resolve_impl(impl))

@@ -217,11 +217,18 @@ def fp8_grouped_gemm_frozen(x, w: Fp8Weight, group_sizes, *, impl: str = "auto")
     return _frozen_gmm(x, w.q, w.s, group_sizes.astype(jnp.int32))
 
 
-def grouped_gemm(x, w, group_sizes, *, impl: str = "auto"):
+def grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
     """The routed experts' FP8 GEMM for a weight of either kind: `fp8_grouped_gemm_frozen` for a
     frozen `Fp8Weight` (its stored values and scales), `api.fp8_grouped_gemm` (quantised online,
-    differentiable in w) for an array w [E, K, N]. x [M, K] rows grouped by group_sizes [E];
-    returns [M, N] in x.dtype (`grouped_lora_matmuls(base_gemm=...)`)."""
+    differentiable in w; dw_sink: its weight gradient written into a ref, as there) for an array
+    w [E, K, N]. x [M, K] rows grouped by group_sizes [E]; returns [M, N] in x.dtype
+    (`grouped_lora_matmuls(base_gemm=...)`).
+
+    Raises:
+      ValueError: as `api.fp8_grouped_gemm`; a dw_sink with a frozen `Fp8Weight` (no gradient).
+    """
     if isinstance(w, Fp8Weight):
+        if dw_sink is not None:
+            raise ValueError("grouped_gemm: a frozen Fp8Weight has no gradient to write into dw_sink")
         return fp8_grouped_gemm_frozen(x, w, group_sizes, impl=impl)
-    return fp8_api.fp8_grouped_gemm(x, w, group_sizes, impl=impl)
+    return fp8_api.fp8_grouped_gemm(x, w, group_sizes, impl=impl, dw_sink=dw_sink)

@@ -24,7 +24,11 @@ xt_s[t, rows] (x) dyt_s[t, cols] into an fp32 sum in registers (sum 64 x tn / 12
 accumulator 64 registers per thread, plus 32 of the block's column scales); the two warpgroups'
 alternation hides one's fold behind the other's wgmma. The scales are loaded from global memory
 (contiguous in both: [T, K] and [T, N]) before the step's wgmma is waited for. Experts without
-rows give zeros; the output is fp32 (the weight gradient is kept in high precision).
+rows give zeros. The output is fp32 (the weight gradient kept in high precision), or, with
+`out=`, the fp32 sums cast once in the epilogue to the dtype of a mutable ref that receives them
+in place (e.g. one layer's rows of a stacked bf16 gradient [L * E, K, N]: no fp32 [E, K, N]
+written, read and cast again); `sq_out=` also writes, per row and column chunk, the sum of
+squares of the values as stored (the gradient's share of a global norm, dw not read again).
 """
 from __future__ import annotations
 
@@ -66,6 +70,9 @@ def group_tiles(group_sizes):
     return jnp.cumsum(count) - count, count
 
 
+SQ_WIDTHS = (64, 128, 256)  # columns per partial sum of squares that the epilogue can write
+
+
 def check_operands(xt_q, xt_s, dyt_q, dyt_s, group_sizes, config=DEFAULT_CONFIG):
     """Raise ValueError unless the operands fit `fp8_grouped_wgrad` (its docstring)."""
     if any(a.ndim != 2 for a in (xt_q, xt_s, dyt_q, dyt_s)) or group_sizes.ndim != 1:
@@ -90,8 +97,26 @@ def check_operands(xt_q, xt_s, dyt_q, dyt_s, group_sizes, config=DEFAULT_CONFIG)
         raise ValueError(f"tile_n={config.tile_n}: expected 128 or 256 dividing N={n}")
 
 
+def _check_sinks(k, n, e, out_dtype, out, out_row, sq_out, config):
+    """Raise ValueError unless out / out_row / sq_out fit a dw [e, k, n] in out_dtype."""
+    if out is not None and (tuple(out.shape[1:]) != (k, n) or out.ndim != 3 or out.shape[0] < e
+                            or out.dtype != out_dtype or out_row is None):
+        raise ValueError(f"out: {out.dtype}{list(out.shape)} does not take dw {out_dtype}[{e}, {k}, {n}] "
+                         f"(out_row {out_row})")
+    if sq_out is None:
+        return
+    j = sq_out.shape[1] if sq_out.ndim == 3 else 0
+    w = n // j if j and n % j == 0 else 0
+    if (sq_out.ndim != 3 or tuple(sq_out.shape[2:]) != (k,) or sq_out.shape[0] < e
+            or sq_out.dtype != jnp.float32 or w not in SQ_WIDTHS or config.tile_n % w):
+        raise ValueError(f"sq_out: {sq_out.dtype}{list(sq_out.shape)} does not take the squares of dw "
+                         f"[{e}, {k}, {n}] (want float32[G, N / W, {k}], W one of {SQ_WIDTHS} "
+                         f"dividing tile_n={config.tile_n})")
+
+
 @lower_once
-def fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes, *, config=None):
+def fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes, *, config=None, out=None, out_row=None,
+                      sq_out=None):
     """dw[e] = x[rows of e]^T @ dy[rows of e] from E4M3 operands in 128 x 1 tiles, per 128-token
     tile promoted with the outer product of the two scale vectors, fp32 accumulation.
 
@@ -104,29 +129,61 @@ def fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes, *, config=None):
       group_sizes: [E] int, rows per group before padding; each group's rows start on a
         128-row tile of the padded layout, groups in order (sum of the padded sizes <= P).
       config: WgradConfig (default DEFAULT_CONFIG).
+      out: None, or a mutable ref (`jax.new_ref` / `jax.empty_ref`) [G, K, N] of any float
+        dtype that receives dw in place at rows out_row .. out_row + E, each fp32 sum rounded
+        once to the ref's dtype (e.g. layer l of a stacked gradient [L * E, K, N] at
+        out_row = l * E).
+      out_row: int or int32 scalar, with out; the caller keeps 0 <= out_row <= G - E.
+      sq_out: None, or a mutable fp32 ref [G, N / W, K], W in SQ_WIDTHS dividing
+        config.tile_n, that receives at [out_row + e, j, k] (out_row 0 without out) the sum over
+        columns j W .. (j + 1) W of dw[e, k, :] ** 2, dw as stored (rounded to out's dtype,
+        fp32 without out): the sum of its rows out_row .. out_row + E is ||dw||^2. The layout
+        of `pallas_kernels.moe.dw_sq_shape` where W fits.
     Returns:
-      [E, K, N] float32; groups without rows give zeros. Token tiles past the groups' are not
-      read.
+      [E, K, N] float32 (None with out); groups without rows give zeros. Token tiles past the
+      groups' are not read.
     Raises:
       ValueError: wrong dtypes or ranks, P, K or N not multiples of 128, scale shapes that do
-        not match, or a bad config.
+        not match, a bad config, or an out or sq_out whose shape or dtype does not fit.
     """
     config = config or DEFAULT_CONFIG
     check_operands(xt_q, xt_s, dyt_q, dyt_s, group_sizes, config)
+    out_dtype = jnp.dtype(out.dtype if out is not None else jnp.float32)
+    _check_sinks(xt_q.shape[0], dyt_q.shape[0], group_sizes.shape[0], out_dtype, out, out_row, sq_out,
+                 config)
     first, count = group_tiles(group_sizes)
-    return _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config)
+    return _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config, out_dtype, out, out_row, sq_out)
 
 
-def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
+def _store_squares(totals, sq_ref, r0, j0, width, out_dtype):
+    """A warpgroup's [64, tn] fp32 sums (n_sub [64, 128] WGMMA arrays, `store_tiles`' totals)
+    as stored (rounded to out_dtype): per row and `width`-column chunk c, the sum of squares,
+    written to sq_ref [N / width, K] at [j0 + c, r0:r0 + 64] (straight to global memory: [64]
+    fp32 ROW vectors)."""
+    parts = []
+    for total in totals:
+        for j in range(BLOCK // EPI):
+            r = total[:, j * EPI:(j + 1) * EPI].astype(out_dtype).astype(jnp.float32)
+            parts.append(jnp.sum(r * r, axis=1))
+    per = width // EPI
+    for c in range(len(parts) // per):
+        chunk = parts[c * per]
+        for part in parts[c * per + 1:(c + 1) * per]:
+            chunk = chunk + part
+        sq_ref[j0 + c, pl.ds(r0, WG_ROWS)] = chunk
+
+
+def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config, out_dtype, out, out_row, sq_out):
     k, p = xt_q.shape
     n = dyt_q.shape[0]
     e = first.shape[0]
     tn = config.tile_n
     n_sub = tn // BLOCK
     k_iters, n_iters = k // TILE_M, n // tn
-    n_stages = stages(tn, jnp.float32, config.max_concurrent_steps)
+    n_stages = stages(tn, out_dtype, config.max_concurrent_steps)
     in_tr = transforms(BLOCK, FP8)
-    out_tr = transforms(EPI * 4, jnp.float32)
+    out_tr = transforms(EPI * out_dtype.itemsize, out_dtype)
+    sq_width = n // sq_out.shape[1] if sq_out is not None else None
 
     def make_pipeline(body, context, steps, t0):
         return plgpu.emit_pipeline_warp_specialized(
@@ -143,11 +200,16 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
             compute_context=context,
         )
 
-    def kernel(first_ref, count_ref, a_ref, as_ref, b_ref, bs_ref, o_ref):
+    def kernel(first_ref, count_ref, a_ref, as_ref, b_ref, bs_ref, *refs):
+        refs = list(refs)  # [out_row], [out], [sq_out], then the returned dw without out
+        row0 = refs.pop(0)[0] if out is not None or sq_out is not None else 0  # from global memory
+        o_ref = refs.pop(0) if out is not None else None
+        sq_ref = refs.pop(0) if sq_out is not None else None
+        o_ref = refs.pop(0) if o_ref is None else o_ref
         ignore = lambda *_, **__: None
         zero_i32 = jnp.asarray(0, jnp.int32)
         one_i32 = jnp.asarray(1, jnp.int32)  # a dynamic grid, as in the real pipelines
-        slot = plgpu.SMEM((EPI, EPI), jnp.float32, transforms=out_tr)
+        slot = plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr)
 
         @functools.partial(
             pl.run_scoped,
@@ -182,7 +244,10 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
                 def context(run):
                     zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
                     totals = run(tuple(zero for _ in range(n_sub)))
-                    store_tiles(totals, out_smem, o_ref.at[g], wg, r0, ni * tn, jnp.float32)
+                    store_tiles(totals, out_smem, o_ref.at[row0 + g], wg, r0, ni * tn, out_dtype)
+                    if sq_ref is not None:
+                        _store_squares(totals, sq_ref.at[row0 + g], r0, ni * (tn // sq_width),
+                                       sq_width, out_dtype)
 
                 make_pipeline(body, context, steps, t0)(
                     a_ref.at[pl.ds(ki * TILE_M, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :],
@@ -192,11 +257,18 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config):
 
     call = plgpu.kernel(
         kernel,
-        out_type=jax.ShapeDtypeStruct((e, k, n), jnp.float32),
+        out_type=() if out is not None else jax.ShapeDtypeStruct((e, k, n), jnp.float32),
         grid=(num_sms(),),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         interpret=default_interpret(),
     )
-    return call(first, count, xt_q, xt_s, dyt_q, dyt_s)
+    args = (first, count, xt_q, xt_s, dyt_q, dyt_s)
+    if out is not None or sq_out is not None:
+        args += (jnp.asarray(out_row if out is not None else 0, jnp.int32).reshape(1),)
+    args += tuple(r for r in (out, sq_out) if r is not None)
+    if out is None:
+        return call(*args)
+    call(*args)
+    return None

@@ -236,13 +236,23 @@ def pad_groups(x, group_sizes):
     belong to one group (every group starts on a tile boundary; zero rows fill the rest), as
     the grouped weight-gradient kernel reads them (DeepGEMM pads each expert's rows to 128).
 
+    Each padded row gathers its source row (a row past its group's end gathers zeros), so
+    x_p is written once: no zero-filled buffer that the rows are then scattered into.
+
     Returns:
       (x_p [P, C] in x.dtype, tile_group [P / 128] int32, dest [M] int32: the padded row of
       each row, P for rows past sum(group_sizes)).
     """
-    m, c = x.shape
+    m = x.shape[0]
     dest, tile_group, num_tiles = _tile_layout(group_sizes, m, BLOCK)
-    x_p = jnp.zeros((num_tiles * BLOCK, c), x.dtype).at[dest].set(x, mode="drop")
+    gs = group_sizes.astype(jnp.int32)
+    padded = (gs + BLOCK - 1) // BLOCK * BLOCK
+    starts, pad_starts = jnp.cumsum(gs) - gs, jnp.cumsum(padded) - padded
+    row = jnp.arange(num_tiles * BLOCK, dtype=jnp.int32)
+    g = jnp.repeat(tile_group, BLOCK)  # the group of each padded row (tiles past all: the last)
+    r = row - pad_starts[g]  # its row within the group
+    src = jnp.where(r < gs[g], starts[g] + r, m)  # m: out of range, gathers zeros
+    x_p = jnp.take(x, src, axis=0, mode="fill", fill_value=0)
     return x_p, tile_group, dest
 
 

@@ -135,15 +135,25 @@ def dw_sq_shape(w_shape, dtype) -> tuple[int, int, int]:
 def _tgmm_into(backend, x, dy, gs, sink):
     """dw = x^T dy per group (as `_tgmm_backend`) written into sink = (ref [G, Kx, N], row int32
     [][, sq fp32 `dw_sq_shape`]) at rows row .. row + E: in place by the kernel, by a dynamic
-    update of the ref otherwise; sq gets dw's partial sums of squares at the same rows."""
+    update of the ref otherwise (`store_dw`); sq gets dw's partial sums of squares at the same
+    rows."""
     ref, row, *sq = sink
-    sq = sq[0] if sq else None
     if backend == "pallas":
-        mosaic_tgmm.tgmm(x, dy, gs, out=ref, out_row=row, sq_out=sq)
+        mosaic_tgmm.tgmm(x, dy, gs, out=ref, out_row=row, sq_out=sq[0] if sq else None)
         return
-    dw = _tgmm_backend(backend, x, dy, gs, ref.dtype)
+    store_dw(sink, _tgmm_backend(backend, x, dy, gs, ref.dtype))
+
+
+def store_dw(sink, dw):
+    """Write dw [E, Kx, N] (in the ref's dtype) into sink = (ref [G, Kx, N], row int32 [][, sq
+    fp32 `dw_sq_shape`]) at rows row .. row + E by a dynamic update of the ref (XLA updates it
+    in place), and sq's rows there with dw's partial sums of squares: sq[row + e, j, k] = the
+    sum over columns j N / J .. (j + 1) N / J of dw[e, k, :] ** 2 (J = sq.shape[1]), as the dW
+    kernels' epilogues write them. The sink as `check_dw_sink` returns it."""
+    ref, row, *sq = sink
     ref[...] = jax.lax.dynamic_update_slice(ref[...], dw, (row, 0, 0))
-    if sq is not None:
+    if sq:
+        sq = sq[0]
         # the barrier keeps XLA from squaring the GEMM's unrounded fp32 result (excess precision,
         # allowed by default on GPU): sq sums the values ref holds, as the kernel's epilogue does
         dw = jax.lax.optimization_barrier(dw)
@@ -151,6 +161,25 @@ def _tgmm_into(backend, x, dy, gs, sink):
         nt = sq.shape[1]
         part = jnp.sum(jnp.square(dw.astype(jnp.float32)).reshape(e, kx, nt, n // nt), -1)
         sq[...] = jax.lax.dynamic_update_slice(sq[...], jnp.swapaxes(part, 1, 2), (row, 0, 0))
+
+
+def check_dw_sink(dw_sink, w):
+    """The `grouped_matmul(dw_sink=...)` argument (ref, row) or (ref, row, sq) for a weight w
+    [E, Kd, N] (array or `jax.ShapeDtypeStruct`), checked: (ref, row as an int32 scalar[, sq]).
+
+    Raises:
+      ValueError: a ref that is not [G >= E, Kd, N] in w's dtype, or squares that are not one
+        fp32 ref of `dw_sq_shape(ref.shape, w.dtype)`.
+    """
+    ref, row, *sq = dw_sink
+    if tuple(ref.shape[1:]) != tuple(w.shape[1:]) or ref.dtype != w.dtype or ref.shape[0] < w.shape[0]:
+        raise ValueError(f"dw_sink: {ref.dtype}{list(ref.shape)} does not take w's gradient "
+                         f"{w.dtype}{list(w.shape)}")
+    want = dw_sq_shape(ref.shape, w.dtype) if sq else None
+    if sq and (len(sq) > 1 or tuple(sq[0].shape) != want or sq[0].dtype != jnp.float32):
+        raise ValueError(f"dw_sink: squares {[f'{r.dtype}{list(r.shape)}' for r in sq]} do not fit w's "
+                         f"gradient (want float32{list(want)})")
+    return (ref, jnp.asarray(row, jnp.int32), *sq)
 
 
 def _tgmm_backend(backend, x, dy, gs, out_dtype):
@@ -339,15 +368,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
             src = (stack.reshape(-1, *w.shape[1:]), jnp.asarray(i * e, jnp.int32))
     gmm = _gmm
     if dw_sink is not None:
-        ref, row, *sq = dw_sink
-        if tuple(ref.shape[1:]) != tuple(w.shape[1:]) or ref.dtype != w.dtype or ref.shape[0] < w.shape[0]:
-            raise ValueError(f"dw_sink: {ref.dtype}{list(ref.shape)} does not take w's gradient "
-                             f"{w.dtype}{list(w.shape)}")
-        want = dw_sq_shape(ref.shape, w.dtype) if sq else None
-        if sq and (len(sq) > 1 or tuple(sq[0].shape) != want or sq[0].dtype != jnp.float32):
-            raise ValueError(f"dw_sink: squares {[f'{r.dtype}{list(r.shape)}' for r in sq]} do not fit w's "
-                             f"gradient (want float32{list(want)})")
-        gmm = _gmm_sinking((ref, jnp.asarray(row, jnp.int32), *sq))
+        gmm = _gmm_sinking(check_dw_sink(dw_sink, w))
     return gmm(x, w, group_sizes.astype(jnp.int32), src, extra, out_dtype, backend)
 
 

@@ -133,20 +133,20 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
       in_stacks: None, or per W_i None or (stack, i) (`grouped_matmul(in_stack=...)`);
       dw_sinks: None, or per W_i None or (ref, row) (`grouped_matmul(dw_sink=...)`).
       base_gemm: None (each x @ W_i is `grouped_matmul`, with its adapter term inside), or a
-        function (x, W_i, group_sizes) -> [M, N_i] in x.dtype that computes the base GEMMs
-        instead (e.g. `pallas_kernels.fp8.frozen.grouped_gemm`, E4M3 block-scaled): the
-        adapters' GEMMs then stay in x's dtype and run beside it; in_stacks and dw_sinks must
-        then be None.
+        function (x, W_i, group_sizes[, dw_sink=...]) -> [M, N_i] in x.dtype that computes the
+        base GEMMs instead (e.g. `pallas_kernels.fp8.frozen.grouped_gemm`, E4M3 block-scaled):
+        the adapters' GEMMs then stay in x's dtype and run beside it; in_stacks must then be
+        None, and a W_i's dw_sink goes to base_gemm as its keyword.
     Returns:
       tuple of [M, N_i] in x.dtype, fp32 accumulation. Differentiable in x, x_adapter and
       every W, A, B.
     Raises:
-      ValueError: as `grouped_matmul`; base_gemm with in_stacks or dw_sinks.
+      ValueError: as `grouped_matmul`; base_gemm with in_stacks.
     """
     in_stacks = in_stacks or (None,) * len(ws)
     dw_sinks = dw_sinks or (None,) * len(ws)
-    if base_gemm is not None and any(p is not None for p in tuple(in_stacks) + tuple(dw_sinks)):
-        raise ValueError("grouped_lora_matmuls: base_gemm reads no in_stacks and writes no dw_sinks")
+    if base_gemm is not None and any(p is not None for p in in_stacks):
+        raise ValueError("grouped_lora_matmuls: base_gemm reads no in_stacks")
     live = [i for i, p in enumerate(pairs) if p is not None]
     extras = [None] * len(ws)
     fused = base_gemm is None
@@ -163,7 +163,8 @@ def grouped_lora_matmuls(x, ws, pairs, group_sizes, *, scale: float, impl: str =
         for i, b in zip(live, placed):
             extras[i] = (t, b, a) if same else (t, b)
     if base_gemm is not None:
-        ys = [base_gemm(x, w, group_sizes) for w in ws]
+        ys = [base_gemm(x, w, group_sizes) if sk is None else base_gemm(x, w, group_sizes, dw_sink=sk)
+              for w, sk in zip(ws, dw_sinks)]
     else:
         ys = [api.grouped_matmul(x, w, group_sizes, impl=impl, in_stack=st, extra=ex if fused else None,
                                  dw_sink=sk)

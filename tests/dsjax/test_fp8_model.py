@@ -97,6 +97,19 @@ def test_routed_experts_fp8_with_lora_adapters():
     with pytest.raises(ValueError, match="base_gemm reads no in_stacks"):
         grouped_lora_matmuls(x, (w,), (None,), gs, scale=1.0, impl="reference", base_gemm=fp8_frozen.grouped_gemm,
                              in_stacks=((w[None], 0),))
+    # a W's dw_sink goes to base_gemm as its keyword: W's gradient lands in the ref's rows, W gets none
+    def sunk(x, w, a, b):
+        ref = jax.new_ref(jnp.zeros((2 * e, d, f), w.dtype))
+        gw = jax.grad(lambda w: jnp.sum(grouped_lora_matmuls(
+            x, (w,), ((a, b),), gs, scale=2.0, impl="reference", base_gemm=fp8_frozen.grouped_gemm,
+            dw_sinks=((ref, e),))[0] * cot))(w)
+        return gw, ref[...]
+    gw, into = jax.jit(sunk)(x, w, a, b)
+    dw = jax.jit(jax.grad(want, 1))(x, w, a, b)
+    assert float(jnp.abs(dw).max()) > 0 and not bool(jnp.any(gw != 0)) and not bool(jnp.any(into[:e] != 0))
+    np.testing.assert_array_equal(np.asarray(into[e:]), np.asarray(dw))
+    with pytest.raises(ValueError, match="frozen Fp8Weight has no gradient"):
+        fp8_frozen.grouped_gemm(x, fp8_frozen.Fp8Weight.quantize(w), gs, dw_sink=(jnp.zeros_like(w), 0))
 
 
 @pytest.fixture(scope="module")

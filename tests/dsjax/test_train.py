@@ -1,5 +1,6 @@
 """Training loop: loss falls, exact resume, loss scaling and non-finite handling, accumulation,
 optimizer schedule and decay mask."""
+import functools
 import json
 import shutil
 import sys
@@ -492,6 +493,57 @@ def test_expert_gradients_written_in_place_equal_the_stacked_ones(tmp_path, monk
             np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
     for k in m1:
         np.testing.assert_array_equal(np.asarray(m1[k]), np.asarray(m2[k]), err_msg=k)
+    for proj in ("gate_proj", "up_proj", "down_proj"):  # every layer's experts moved
+        moved = np.abs(np.asarray(s1["params"]["moe_layers"]["mlp"][proj], np.float32)
+                       - np.asarray(p["moe_layers"]["mlp"][proj], np.float32))
+        assert moved.reshape(moved.shape[0], -1).max(axis=1).min() > 0, proj
+
+
+@pytest.mark.parametrize("impl", ["reference", "mosaic"])
+def test_fp8_expert_gradients_written_in_place_equal_the_stacked_ones(tmp_path, monkeypatch, impl):
+    """model.fp8=blockwise: the routed experts' FP8 weight gradients go to the same in-place
+    sinks as the bf16 ones (`moe.expert_grad_sinks`), in the stacks' dtype (bf16 here); a train
+    step gives bitwise the params and moments of the per-layer gradients stacked after the
+    backward (sinks switched off), and the grad norm to fp32 rounding (the kernel sums its
+    squares in its own order; no clipping, so the params do not depend on it). "mosaic": the
+    grouped FP8 GEMMs on the Mosaic kernels in CPU interpret mode, at widths (128) where the
+    wgrad kernel writes the sink itself; "reference": dw then a dynamic update of the sink."""
+    import dsjax.train.step as step_mod
+    from pallas_kernels.fp8 import api as fp8_api
+    from pallas_kernels.fp8 import frozen as fp8_frozen
+    sets = ["model.num_hidden_layers=3", "model.fp8=blockwise", "model.dtype=bfloat16",
+            "optim.warmup_steps=0", "optim.grad_clip_norm=0"]  # 2 MoE layers
+    if impl == "mosaic":
+        sets += ["model.hidden_size=128", "model.moe_intermediate_size=128"]
+        monkeypatch.setattr(fp8_frozen, "grouped_gemm", functools.partial(fp8_frozen.grouped_gemm, impl="mosaic"))
+    cfg = _small(tmp_path, *sets)
+    fns, p, r = init_model(cfg)
+    tx, sched = build_optimizer(cfg.optim, 10)
+    b = _batch(cfg, 0, 1)
+    make = lambda: make_train_step(cfg, fns, tx, sched)  # noqa: E731
+    in_place = []
+    real = fp8_api.mosaic_grouped_wgrad.fp8_grouped_wgrad
+    monkeypatch.setattr(fp8_api.mosaic_grouped_wgrad, "fp8_grouped_wgrad",
+                        lambda *a, **kw: in_place.append(kw.get("out") is not None) or real(*a, **kw))
+
+    def one_step():
+        s, m = jax.jit(make())(init_state(p, r, tx), b)
+        jax.block_until_ready(s)
+        jax.effects_barrier()  # interpret mode's callbacks done before the next program
+        return s, m
+
+    s1, m1 = one_step()
+    assert in_place == ([True] * 6 if impl == "mosaic" else [])  # 3 projections x 2 layers
+    monkeypatch.setattr(step_mod, "EXPERT_PROJS", ())
+    assert "empty_ref" not in str(jax.make_jaxpr(make())(init_state(p, r, tx), b))
+    in_place.clear()
+    s2, m2 = one_step()
+    assert in_place == ([False] * 6 if impl == "mosaic" else [])
+    for k in ("params", "opt"):
+        for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(s1[k])[0], jax.tree.leaves(s2[k])):
+            np.testing.assert_array_equal(np.asarray(x), np.asarray(y), err_msg=str(path))
+    for k in m1:
+        np.testing.assert_allclose(np.asarray(m1[k]), np.asarray(m2[k]), rtol=1e-6, err_msg=k)
     for proj in ("gate_proj", "up_proj", "down_proj"):  # every layer's experts moved
         moved = np.abs(np.asarray(s1["params"]["moe_layers"]["mlp"][proj], np.float32)
                        - np.asarray(p["moe_layers"]["mlp"][proj], np.float32))

@@ -120,6 +120,13 @@ def test_grouped_references_with_empty_experts_and_unused_rows():
     x_p, tile_group, dest = R.pad_groups(x, gs)
     dy_p, _, _ = R.pad_groups(dy, gs)
     assert x_p.shape[0] % 128 == 0
+    # every row at its padded row, zeros everywhere else
+    want_p = np.zeros(x_p.shape, np.float32)
+    used = np.asarray(dest) < x_p.shape[0]
+    want_p[np.asarray(dest)[used]] = np.asarray(x)[used]
+    np.testing.assert_array_equal(np.asarray(x_p), want_p)
+    assert used.sum() == 280 and np.asarray(dest)[used].tolist() == list(range(90)) + list(
+        range(128, 268)) + list(range(384, 434))
     xt_q, xt_s = R.quantize_cols_128x1(x_p)
     dyt_q, dyt_s = R.quantize_cols_128x1(dy_p)
     dw = np.asarray(R.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, e))

@@ -151,11 +151,21 @@ def test_grouped_impl_resolution(monkeypatch):
 
 
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
-def test_wgrad_no_races(kernel_races, monkeypatch):
+@pytest.mark.parametrize("into", [False, True])
+def test_wgrad_no_races(kernel_races, monkeypatch, into):
+    """No race in the kernel, also when it writes bf16 into a ref with the squares (`out=`)."""
     monkeypatch.setattr(mw, "default_interpret", lambda: _hopper.interpret_params(detect_races=True))
     gs = jnp.asarray((60, 0, 200, 0), jnp.int32)
     (xq, xs), (dq, ds), _ = wgrad_operands(3, 260, 256, 256, gs)
-    finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
+    if into:
+        def run(xq, xs, dq, ds):
+            ref = jax.empty_ref(jax.ShapeDtypeStruct((E, 256, 256), jnp.bfloat16))
+            sq = jax.empty_ref(jax.ShapeDtypeStruct((E, 4, 256), jnp.float32))
+            fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, out=ref, out_row=0, sq_out=sq)
+            return ref[...], sq[...]
+        finished(jax.jit(run)(xq, xs, dq, ds))
+    else:
+        finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs))
     assert len(kernel_races) == 1 and not any(kernel_races), kernel_races
 
 
@@ -172,3 +182,97 @@ def test_wgrad_refusals():
         fp8_grouped_wgrad(xq.T, xs.T, dq.T, ds, gs)
     with pytest.raises(ValueError, match="tile_n=256"):
         fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=WgradConfig(tile_n=256))
+
+
+@pytest.mark.parametrize("tile_n,width", [(128, 64), (256, 256)])
+def test_grouped_wgrad_writes_its_rows_of_a_ref_in_place(tile_n, width):
+    """out=ref, out_row=E: the kernel writes its fp32 sums cast once to the ref's dtype (bf16)
+    into rows E .. 2E of a [3E, K, N] ref and nothing else (the other rows keep their values),
+    bitwise the fp32 output cast; sq_out gets at the same rows, per row and `width` columns,
+    the sums of squares of the bf16 values stored."""
+    gs = jnp.asarray(GROUPS["empty"], jnp.int32)
+    m, k, n = 320, 256, 512
+    (xq, xs), (dq, ds), _ = wgrad_operands(21 + tile_n, m, k, n, gs)
+    config = WgradConfig(tile_n=tile_n)
+    want = finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=config)).astype(jnp.bfloat16)
+    fill = jax.random.normal(jax.random.key(3), (3 * E, k, n)).astype(jnp.bfloat16)
+    sq_fill = jnp.full((3 * E, n // width, k), -1.0, jnp.float32)
+
+    @jax.jit
+    def into(fill, sq_fill):
+        ref, sq = jax.new_ref(fill), jax.new_ref(sq_fill)
+        assert fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=config, out=ref, out_row=E, sq_out=sq) is None
+        return ref[...], sq[...]
+
+    got, sq = (np.asarray(a, np.float32) for a in finished(into(fill, sq_fill)))
+    want, fill = np.asarray(want, np.float32), np.asarray(fill, np.float32)
+    assert np.abs(want).max() > 0
+    np.testing.assert_array_equal(got[E:2 * E], want)
+    np.testing.assert_array_equal(got[:E], fill[:E])
+    np.testing.assert_array_equal(got[2 * E:], fill[2 * E:])
+    squares = np.square(want.astype(np.float64)).reshape(E, k, n // width, width).sum(-1).transpose(0, 2, 1)
+    np.testing.assert_allclose(sq[E:2 * E], squares, rtol=1e-6)
+    assert (sq[:E] == -1).all() and (sq[2 * E:] == -1).all()
+
+
+def test_grouped_wgrad_refuses_sinks_that_do_not_fit():
+    gs = jnp.asarray((100, 28), jnp.int32)
+    (xq, xs), (dq, ds), _ = wgrad_operands(4, 128, 256, 128, gs)
+    ref = jnp.zeros((4, 256, 128), jnp.bfloat16)
+    with pytest.raises(ValueError, match="out:"):
+        fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, out=jnp.zeros((4, 256, 256), jnp.bfloat16), out_row=0)
+    with pytest.raises(ValueError, match="out:"):
+        fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, out=ref)  # no out_row
+    with pytest.raises(ValueError, match="sq_out"):  # chunks of 32 columns
+        fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, out=ref, out_row=0, sq_out=jnp.zeros((4, 4, 256)))
+
+
+@pytest.mark.parametrize("impl,k", [("mosaic", 256), ("mosaic", 200), ("reference", 256)])
+def test_fp8_grouped_gemm_dw_sink_writes_the_stacked_gradient(impl, k, monkeypatch):
+    """fp8_grouped_gemm(dw_sink=(ref, l E, sq)) in each layer of a stack: every layer's weight
+    gradient lands in rows l E .. (l + 1) E of one uninitialised ref, bitwise the per-layer
+    gradients of plain autodiff (in the weights' dtype, bf16), and sq (`dw_sq_shape`) sums to
+    each layer's ||dW||^2; the weights themselves get zero gradients. "mosaic" with K a multiple
+    of 128: the wgrad kernel writes both in place; K = 200: dw then the ref's dynamic update."""
+    from pallas_kernels.moe import dw_sq_shape
+    m, n, layers = 300, 128, 2
+    gs = jnp.asarray(GROUPS["empty"], jnp.int32)
+    kx, kw, kr = jax.random.split(jax.random.key(k), 3)
+    xs = [varied(key, (m, k)).astype(jnp.bfloat16) for key in jax.random.split(kx, layers)]
+    stack = (jax.random.normal(kw, (layers, E, k, n)) * 0.05).astype(jnp.bfloat16)
+    cot = jax.random.normal(kr, (m, n))
+    shape = dw_sq_shape((layers * E, k, n), stack.dtype)
+    writes = []
+    real = api.mosaic_grouped_wgrad.fp8_grouped_wgrad
+
+    def spy(*a, **kw):
+        writes.append(kw.get("out") is not None)
+        return real(*a, **kw)
+
+    def loss(stack, ref=None, sq=None):
+        y = 0.0
+        for i in range(layers):
+            sink = None if ref is None else (ref, i * E, sq)
+            y = y + fp8_grouped_gemm(xs[i], stack[i], gs, impl=impl, dw_sink=sink).astype(jnp.float32)
+        return jnp.sum(y * cot)
+
+    @jax.jit
+    def sunk(stack):
+        ref = jax.empty_ref(jax.ShapeDtypeStruct((layers * E, k, n), stack.dtype))
+        sq = jax.empty_ref(jax.ShapeDtypeStruct(shape, jnp.float32))
+        g = jax.grad(loss)(stack, ref, sq)
+        return g, ref[...].reshape(stack.shape), sq[...]
+
+    want = np.asarray(finished(jax.jit(jax.grad(loss))(stack)), np.float32)
+    monkeypatch.setattr(api.mosaic_grouped_wgrad, "fp8_grouped_wgrad", spy)
+    g_w, got, sq = finished(sunk(stack))
+    assert writes == ([True] * layers if impl == "mosaic" and k % 128 == 0 else
+                      [False] * layers if impl == "mosaic" else [])
+    assert np.abs(want).max() > 0 and not bool(jnp.any(g_w != 0))
+    np.testing.assert_array_equal(np.asarray(got, np.float32), want)
+    for i in range(layers):
+        np.testing.assert_allclose(float(jnp.sum(sq[i * E:(i + 1) * E])),
+                                   float(np.sum(np.square(want[i].astype(np.float64)))), rtol=1e-6)
+    with pytest.raises(ValueError, match="dw_sink"):
+        fp8_grouped_gemm(xs[0], stack[0], gs, impl=impl,
+                         dw_sink=(jnp.zeros((E, k, n), jnp.float32), 0))
