@@ -7,12 +7,15 @@
 
 Per (batch, context, decode mode, cache dtype): one decode step (`dsjax.model.decode.decode_step`,
 jitted, cache donated) over a cache whose `context` slots per row all hold random latents, so
-every step reads the whole context; tokens/s = batch x steps / seconds, the cache's GB, and the
+every step reads the whole context (the same random latents for every cache dtype and mode);
+tokens/s = batch x steps / seconds, the cache's GB, and the
 floor: (bytes of the weights a step reads + the cache's bytes) / the copy bandwidth measured
 here (a device copy of a 4 GB buffer, read + written). The weights a step reads: every
 non-expert weight, the lm_head, and per MoE layer the routed experts a batch of that size
 touches on average under uniform routing (E (1 - (1 - k/E)^B)). Points that would not fit in
 90% of device memory (weights + cache + the expanded K/V of a layer for `expanded`) are skipped.
+An int8 row also gives the KL divergence (nats, mean over rows) of its first step's next-token
+distribution from the bfloat16 cache's at the same point: the cost of quantising those latents.
 The HF transformers peer (`--hf BxS,...`, '' for none) runs DeepseekV2ForCausalLM in a
 subprocess with its static cache (full per-head K/V), eager, prefill of S - 1 random tokens,
 then greedy steps; its decode tokens/s comes from two `generate` calls (1 and 1 + steps new
@@ -114,6 +117,7 @@ def run_point(model, batch: int, context: int, mode: str, cache_dtype: str, step
     logits, cache = step(st, tok, cache, cur)
     jax.block_until_ready(logits)
     compile_s = time.perf_counter() - t_c
+    logp0 = jax.nn.log_softmax(logits[:, -1].astype(jnp.float32), axis=-1)  # the first step's
     logits, cache = step(st, tok, cache, cur)
     jax.block_until_ready(logits)
     t0 = time.perf_counter()
@@ -124,7 +128,13 @@ def run_point(model, batch: int, context: int, mode: str, cache_dtype: str, step
     dt = (time.perf_counter() - t0) / steps
     return {"batch": batch, "context": context, "mode": mode, "cache_dtype": cache_dtype, "step_ms": dt * 1e3,
             "tokens_per_s": batch / dt, "cache_gb": D.cache_nbytes(cache) / 1e9, "compile_s": compile_s,
-            "finite": bool(jnp.all(jnp.isfinite(logits)))}
+            "finite": bool(jnp.all(jnp.isfinite(logits))), "_logp0": logp0}
+
+
+def kl_nats(logp, logq) -> float:
+    """Mean over rows of KL(p || q) in nats, from log-probabilities [B, V]."""
+    import jax.numpy as jnp
+    return float(jnp.mean(jnp.sum(jnp.exp(logp) * (logp - logq), axis=-1)))
 
 
 def fits(cfg, batch: int, context: int, mode: str, cache_dtype: str, free_bytes: float) -> bool:
@@ -206,7 +216,7 @@ def main(argv=None) -> list:
     bw = copy_bandwidth(1 << 20 if args.tiny else 4 << 30)
     print(f"device {dev.device_kind}; copy bandwidth {bw / 1e9:.0f} GB/s; {args.layers} layers; "
           f"weights read per step at batch 1: {step_weight_bytes(cfg, 1) / 1e9:.2f} GB", flush=True)
-    rows = []
+    rows, logp = [], {}  # logp: each point's first-step next-token log-probabilities
     for B in (int(x) for x in args.batches.split(",")):
         for S in (int(x) for x in args.contexts.split(",")):
             for mode in args.modes.split(","):
@@ -220,6 +230,10 @@ def main(argv=None) -> list:
                         r = {"batch": B, "context": S, "mode": mode, "cache_dtype": dt, "error": str(e).splitlines()[0][:160]}
                     if "error" not in r:
                         r["floor_ms"] = (step_weight_bytes(cfg, B) + r["cache_gb"] * 1e9) / bw * 1e3
+                        logp[(B, S, mode, dt)] = r.pop("_logp0")
+                        base = logp.get((B, S, mode, "bfloat16"))
+                        if dt != "bfloat16" and base is not None:
+                            r["kl_vs_bf16"] = kl_nats(base, logp[(B, S, mode, dt)])
                     rows.append(r)
                     print(fmt(r), flush=True)
     rows += hf_rows
@@ -234,8 +248,9 @@ def fmt(r: dict) -> str:
     if "error" in r:
         return f"{head} {r['error']}"
     floor = f" floor {r['floor_ms']:.2f} ms ({r['floor_ms'] / r['step_ms']:.0%} of it)" if "floor_ms" in r else ""
+    kl = f" KL vs bf16 {r['kl_vs_bf16']:.2e} nats" if "kl_vs_bf16" in r else ""
     return (f"{head} {r['step_ms']:8.2f} ms/step {r['tokens_per_s']:10.1f} tok/s cache {r['cache_gb']:.3f} GB"
-            + floor)
+            + floor + kl)
 
 
 if __name__ == "__main__":
