@@ -13,7 +13,8 @@ floor: (bytes of the weights a step reads + the cache's bytes) / the copy bandwi
 here (a device copy of a 4 GB buffer, read + written). The weights a step reads: every
 non-expert weight, the lm_head, and per MoE layer the routed experts a batch of that size
 touches on average under uniform routing (E (1 - (1 - k/E)^B)). Points that would not fit in
-90% of device memory (weights + cache + the expanded K/V of a layer for `expanded`) are skipped.
+90% of the device memory left with the weights resident (the cache, plus the expanded K/V of a
+layer for `expanded`) are skipped.
 An int8 row also gives the KL divergence (nats, mean over rows) of its first step's next-token
 distribution from the bfloat16 cache's at the same point: the cost of quantising those latents.
 The HF transformers peer (`--hf BxS,...`, '' for none) runs DeepseekV2ForCausalLM in a
@@ -138,9 +139,10 @@ def kl_nats(logp, logq) -> float:
 
 
 def fits(cfg, batch: int, context: int, mode: str, cache_dtype: str, free_bytes: float) -> bool:
+    """Whether the cache (and, expanded, one layer's K/V) fits in 90 % of free_bytes, the device
+    memory left with the weights resident."""
     from dsjax.model import decode as D
-    need = step_weight_bytes(cfg, 10 ** 9) + D.cache_nbytes(D.cache_shapes(cfg, batch, context,
-                                                                            D.CacheConfig(cache_dtype)))
+    need = D.cache_nbytes(D.cache_shapes(cfg, batch, context, D.CacheConfig(cache_dtype)))
     if mode == "expanded":  # one layer's K [B, S, H, Dn + R] and V [B, S, H, Dv] in bf16, fp32 scores
         H = cfg.num_attention_heads
         need += batch * context * H * (2 * (cfg.qk_head_dim + cfg.v_head_dim) + 4)
@@ -223,6 +225,7 @@ def main(argv=None) -> list:
                 for dt in args.cache_dtypes.split(","):
                     if not args.tiny and not fits(cfg, B, S, mode, dt, free):
                         rows.append({"batch": B, "context": S, "mode": mode, "cache_dtype": dt, "error": "does not fit"})
+                        print(fmt(rows[-1]), flush=True)
                         continue
                     try:
                         r = run_point(model, B, S, mode, dt, args.steps)
