@@ -241,17 +241,25 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config, out_dtype, out, out_ro
                         totals[j] = fold_outer(totals[j], part, sa, sbs[j])
                     return tuple(totals)
 
-                def context(run):
-                    zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
-                    totals = run(tuple(zero for _ in range(n_sub)))
+                def zeros():
+                    z = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
+                    return tuple(z for _ in range(n_sub))
+
+                def store(totals):
                     store_tiles(totals, out_smem, o_ref.at[row0 + g], wg, r0, ni * tn, out_dtype)
                     if sq_ref is not None:
                         _store_squares(totals, sq_ref.at[row0 + g], r0, ni * (tn // sq_width),
                                        sq_width, out_dtype)
 
-                make_pipeline(body, context, steps, t0)(
-                    a_ref.at[pl.ds(ki * TILE_M, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :],
-                    allocations=allocs)
+                @pl.when(steps > 0)
+                def _():
+                    make_pipeline(body, lambda run: store(run(zeros())), steps, t0)(
+                        a_ref.at[pl.ds(ki * TILE_M, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :],
+                        allocations=allocs)
+
+                # an expert without rows: its zeros stored directly by the two compute
+                # warpgroups (wg 2 is the pipeline's TMA warpgroup), no pipeline of zero steps
+                pl.when((steps == 0) & (wg < 2))(lambda: store(zeros()))
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

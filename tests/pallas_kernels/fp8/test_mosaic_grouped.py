@@ -276,3 +276,25 @@ def test_fp8_grouped_gemm_dw_sink_writes_the_stacked_gradient(impl, k, monkeypat
     with pytest.raises(ValueError, match="dw_sink"):
         fp8_grouped_gemm(xs[0], stack[0], gs, impl=impl,
                          dw_sink=(jnp.zeros((E, k, n), jnp.float32), 0))
+
+
+def test_grouped_wgrad_lowers_for_hopper():
+    """Mosaic GPU lowering for CUDA on this CPU (a stand-in H100 for `_hopper.target_device`): the
+    grouped wgrad kernel returning fp32 dW and writing bf16 dW with its squares into refs, each
+    with the branch that stores an expert without rows as zeros beside the pipeline."""
+    import re
+
+    class H100:
+        platform, compute_capability, core_count = "gpu", "9.0", 132
+    f8, f32, S = jnp.float8_e4m3fn, jnp.float32, jax.ShapeDtypeStruct
+    ops = (S((256, 640), f8), S((5, 256), f32), S((256, 640), f8), S((5, 256), f32), S((E,), jnp.int32))
+
+    def into(xq, xs, dq, ds, gs):
+        ref = jax.empty_ref(S((E, 256, 256), jnp.bfloat16))
+        sq = jax.empty_ref(S((E, 4, 256), f32))
+        fp8_grouped_wgrad(xq, xs, dq, ds, gs, out=ref, out_row=0, sq_out=sq)
+        return ref[...], sq[...]
+    for fn in (fp8_grouped_wgrad, into):
+        with _hopper.target_device(H100()):
+            text = jax.jit(fn).trace(*ops).lower(lowering_platforms=("cuda",)).as_text()
+        assert len(re.findall(r'kernel_hash = "', text)) == 1

@@ -118,8 +118,8 @@ def _kernel_hashes(fn, *args):
 def test_kernels_lower_for_hopper():
     """Mosaic GPU lowering (layout inference of the column scales included) for CUDA on this
     CPU: the wgrad kernel in its three configs, and fp8_linear's forward + backward at
-    kv_a_proj_with_mqa's shape (2048 -> 576, N padded to 640) as five distinct kernels (three
-    GEMMs, the fused quantisation of x and of dy)."""
+    kv_a_proj_with_mqa's shape (2048 -> 576, N padded to 640) as six distinct kernels (three
+    GEMMs, the fused quantisation of x and of dy, the weight's block quantisation)."""
     from pallas_kernels.fp8 import fp8_linear
     f8, f32 = jnp.float8_e4m3fn, jnp.float32
     S = jax.ShapeDtypeStruct
@@ -133,4 +133,4 @@ def test_kernels_lower_for_hopper():
 
     hashes = _kernel_hashes(fwd_bwd, S((512, 2048), jnp.bfloat16), S((2048, 576), f32),
                             S((512, 576), jnp.bfloat16))
-    assert len(hashes) == 5 and len(set(hashes)) == 5
+    assert len(hashes) == 6 and len(set(hashes)) == 6
