@@ -113,8 +113,8 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto"):
         return jax.lax.psum(y, ka) if ka else y
 
     # check_vma=False: the Mosaic kernels' loop counters fail the varying-manual-axes check (as
-    # for the attention kernels); tests/sharding/test_fp8_layouts.py compares every preset's
-    # steps with one device's.
+    # for the attention kernels); tests/sharding/test_fp8_layouts.py compares each kind of
+    # split with one device's.
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok[0], tok[1], wspec[0]), wspec),
                        out_specs=P(tok[0], tok[1], wspec[1]), check_vma=False)
     return fn(x, w)
