@@ -24,5 +24,8 @@ def test_weight_bytes_at_v2_lite_geometry():
     b1, b64 = GB.step_weight_bytes(cfg, 1), GB.step_weight_bytes(cfg, 64)
     assert 4.0e9 < b1 < 6.5e9  # ~2.4 B active params (bf16), the lm_head included
     assert b64 > 2 * b1  # most experts touched at batch 64
-    assert not GB.fits(cfg, 64, 32768, "absorbed", "bfloat16", 80e9)  # 65 GB of cache + 31 GB of weights
-    assert GB.fits(cfg, 64, 32768, "absorbed", "int8", 140e9)
+    # free: what an H100 (76 GB at XLA_PYTHON_CLIENT_MEM_FRACTION=0.95) or an H200 (132 GB) has
+    # left with the 31 GB of weights resident
+    assert not GB.fits(cfg, 64, 32768, "absorbed", "bfloat16", 45e9)  # 65 GB of cache
+    assert GB.fits(cfg, 64, 32768, "absorbed", "int8", 45e9)  # 36.5 GB
+    assert GB.fits(cfg, 64, 32768, "absorbed", "bfloat16", 101e9)
