@@ -250,6 +250,12 @@ references for the fused quantisation kernel; GPU interpret mode's simulator is
         xp = R._pad_to(R._pad_to(x, 0), 1)
         return (R.quantize_rows_1x128(xp) if rows else ()) + R.quantize_cols_128x1_t(xp)
     monkeypatch.setattr(fp8_api.quantize, "quantize_dual", dual_reference)
+
+    def blocks_reference(w, *, padded=True):  # `quantize_blocks_dual`'s padded outputs, 2-d w
+        assert padded and w.ndim == 2
+        q, s = R.quantize_blocks_128x128(R._pad_to(R._pad_to(w, 0), 1))
+        return q, s, q.T, s.T
+    monkeypatch.setattr(fp8_api.quantize, "quantize_blocks_dual", blocks_reference)
     mesh = _mesh(dict(fsdp=2, tensor=2))
     ctx = shr.ShardingContext(mesh, shr.get_rules("tp"))
     ks = jax.random.split(jax.random.key(5), 3)
