@@ -164,6 +164,25 @@ def test_fp8_training_steps_match_one_device(one_device, name):
     assert perr < 0.85 * pgap
 
 
+def _traced_step(cfg):
+    """The jaxpr of one train step of cfg under its mesh (traced, not run)."""
+    from dsjax.train import loop
+    from dsjax.train.optim import build_optimizer
+    from dsjax.train.step import init_model, make_train_step
+    from sharding_common import synthetic_batches
+    par = loop.setup_parallel(cfg)
+    fns, params, rest = init_model(cfg)
+    tx, schedule = build_optimizer(cfg.optim, cfg.train.steps)
+    state, _ = loop.create_state(fns, params, rest, tx, par)
+    step = make_train_step(cfg, fns, tx, schedule)
+    batch = loop.global_batch(par, synthetic_batches(cfg, 1)[0], 1)
+
+    def traced(s, b):
+        with shr.use_sharding(par.ctx):
+            return step(s, b)
+    return jax.make_jaxpr(traced)(state, batch)
+
+
 def test_train_step_traces_the_dense_fp8_linears_inside_shard_map():
     """Under fsdp=8 the train step's jaxpr holds two shard_maps (the forward and its transpose)
     per dense FP8 linear (q_a, q_b, kv_a, kv_b, o, gate, up, down in the scanned dense stack)
@@ -171,21 +190,7 @@ def test_train_step_traces_the_dense_fp8_linears_inside_shard_map():
     def count(sets):
         cfg = tiny_cfg(*WIDE, "model.num_hidden_layers=1", "model.first_k_dense_replace=1",
                        "mesh.preset=fsdp", "mesh.fsdp=8", *sets)
-        from dsjax.train import loop
-        from dsjax.train.optim import build_optimizer
-        from dsjax.train.step import init_model, make_train_step
-        from sharding_common import synthetic_batches
-        par = loop.setup_parallel(cfg)
-        fns, params, rest = init_model(cfg)
-        tx, schedule = build_optimizer(cfg.optim, cfg.train.steps)
-        state, _ = loop.create_state(fns, params, rest, tx, par)
-        step = make_train_step(cfg, fns, tx, schedule)
-        batch = loop.global_batch(par, synthetic_batches(cfg, 1)[0], 1)
-
-        def traced(s, b):
-            with shr.use_sharding(par.ctx):
-                return step(s, b)
-        return str(jax.make_jaxpr(traced)(state, batch)).count("shard_map")
+        return str(_traced_step(cfg)).count("shard_map")
     assert count(FP8) - count([]) == 16
 
 
@@ -213,23 +218,9 @@ references for the fused quantisation kernel; GPU interpret mode's simulator is
     resolve = fp8_api.resolve_impl
     monkeypatch.setattr(fp8_api, "resolve_impl", lambda impl: "mosaic" if impl == "auto" else resolve(impl))
 
-    from dsjax.train import loop
-    from dsjax.train.optim import build_optimizer
-    from dsjax.train.step import init_model, make_train_step
-    from sharding_common import synthetic_batches
     cfg = tiny_cfg(*WIDE, *FP8, "model.num_hidden_layers=1", "model.first_k_dense_replace=1",
                    "mesh.preset=tp", "mesh.fsdp=4", "mesh.tensor=2")
-    par = loop.setup_parallel(cfg)
-    fns, params, rest = init_model(cfg)
-    tx, schedule = build_optimizer(cfg.optim, cfg.train.steps)
-    state, _ = loop.create_state(fns, params, rest, tx, par)
-    step = make_train_step(cfg, fns, tx, schedule)
-    batch = loop.global_batch(par, synthetic_batches(cfg, 1)[0], 1)
-
-    def traced(s, b):
-        with shr.use_sharding(par.ctx):
-            return step(s, b)
-    jax.make_jaxpr(traced)(state, batch)
+    _traced_step(cfg)
     gemms = [s for s in seen if s[0] == "gemm"]
     wgrads = [s for s in seen if s[0] == "wgrad"]
     assert len(gemms) == 16 and len(wgrads) == 8, seen  # forward + dgrad, wgrad of 8 linears
