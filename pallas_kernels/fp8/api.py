@@ -15,8 +15,9 @@ Accumulation is fp32. The backward's residuals are the FP8 values and fp32 scale
 tiles, w in blocks), not x itself: 1 byte per element plus 4 per 128. Outputs are in x's dtype
 (the compute dtype), dx in x's dtype, dw in w's dtype (the master weights' dtype, as the cast
 in the unquantised path gives). For the routed experts the 128-token tiles of the weight
-gradient never straddle two experts: each expert's rows are padded to a multiple of 128
-(`reference.pad_groups`), as DeepGEMM's grouped kernels require.
+gradient never straddle two experts: each expert's rows are padded to whole 128-row tiles
+(`reference.pad_groups`; DeepGEMM's grouped kernels pad likewise), which the "mosaic" backend's
+quantisation kernel reads straight from the routed rows (`quantize.quantize_grouped_cols`).
 
 Backends (`impl`):
   "reference": XLA on any device: dequantise to fp32 and dot with fp32 accumulation at full
@@ -219,15 +220,13 @@ def _dequantize_experts(q, s):
 
 
 def _grouped_wgrad_operand(backend, x, group_sizes):
-    """x [M, C] -> its group-padded copy quantised in 128 x 1 tiles: "reference": (q [P, C],
-    s [P/128, C]); "mosaic": (q^T [Cp, P], s [P/128, Cp]), C zero-padded to Cp, a multiple of
-    128 (the wgrad kernel reads the tokens contiguous), from `quantize.quantize_dual`'s 128 x 1
-    half (bitwise the same values)."""
-    x_p, _, _ = ref.pad_groups(x, group_sizes)
-    if backend == "mosaic":  # the fused kernel's 128 x 1 half: x_p read once, written transposed
-        xt_q, xt_s = quantize.quantize_dual(x_p, rows=False)  # [Cp, P], [Cp, P/128]
-        return xt_q, xt_s.T
-    return ref.quantize_cols_128x1(x_p)
+    """x [M, C] -> its group-padded copy (`reference.pad_groups`) quantised in 128 x 1 tiles:
+    "reference": (q [P, C], s [P/128, C]); "mosaic": (q^T [Cp, P], s [P/128, Cp]), C
+    zero-padded to Cp, a multiple of 128 (the wgrad kernel reads the tokens contiguous), by
+    `quantize.quantize_grouped_cols` from x itself, no padded copy (bitwise the same values)."""
+    if backend == "mosaic":
+        return quantize.quantize_grouped_cols(x, group_sizes)
+    return ref.quantize_cols_128x1(ref.pad_groups(x, group_sizes)[0])
 
 
 def _grouped_gemm_nt(backend, a_q, a_s, b_q, b_s, group_sizes, out_dtype):
@@ -251,7 +250,7 @@ def _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, m, shape, out
     if backend == "mosaic":
         dw = mosaic_grouped_wgrad.fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes)
         return dw[:, :k, :n].astype(out_dtype)
-    _, tile_group, _ = ref._tile_layout(group_sizes, m, ref.BLOCK)
+    tile_group = jnp.minimum(ref.group_tile_table(group_sizes, m)[0], e - 1)
     return ref.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, e, out_dtype=out_dtype)
 
 

@@ -2,7 +2,8 @@
 
 Legend: E experts, K and N the widths of x and dy (dw [E, K, N]), P rows of the group-padded
 layout (a multiple of 128: every 128-row token tile belongs to one expert,
-`reference.pad_groups`), T = P / 128 token tiles, tn CTA columns, wg warpgroup.
+`reference.pad_groups`, whose tiles `reference.group_tiles` counts), T = P / 128 token tiles,
+tn CTA columns, wg warpgroup.
 
 dw[e] = sum over expert e's token tiles t of (xt_q[:, t] . dyt_q[:, t]) * xt_s[t, k] * dyt_s[t, n]
 
@@ -45,6 +46,7 @@ from pallas_kernels._hopper import default_interpret, lower_once, num_sms
 from pallas_kernels.fp8.mosaic_common import (
     BLOCK, EPI, FP8, TILE_M, WG_ROWS, WGMMA, fold_outer, load_outer_scales, stages, store_tiles,
     transforms, wg_product)
+from pallas_kernels.fp8.reference import group_tiles
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,13 +63,6 @@ class WgradConfig:
 
 
 DEFAULT_CONFIG = WgradConfig()
-
-
-def group_tiles(group_sizes):
-    """(first token tile [E], token tiles [E]) of each group in the group-padded layout of
-    `reference.pad_groups` (groups in order, each padded to a multiple of 128 rows), int32."""
-    count = (group_sizes.astype(jnp.int32) + BLOCK - 1) // BLOCK
-    return jnp.cumsum(count) - count, count
 
 
 SQ_WIDTHS = (64, 128, 256)  # columns per partial sum of squares that the epilogue can write
@@ -126,8 +121,9 @@ def fp8_grouped_wgrad(xt_q, xt_s, dyt_q, dyt_s, group_sizes, *, config=None, out
       xt_s: [P/128, K] float32: xt_q[k, 128 t : 128 (t + 1)] stands for those values times
         xt_s[t, k].
       dyt_q: [N, P] float8_e4m3fn, dyt_s: [P/128, N] float32: dy the same way.
-      group_sizes: [E] int, rows per group before padding; each group's rows start on a
-        128-row tile of the padded layout, groups in order (sum of the padded sizes <= P).
+      group_sizes: [E] int, rows per group before padding; group e's token tiles are
+        `reference.group_tiles`' (the layout of `reference.pad_groups`), groups in order, all
+        within P.
       config: WgradConfig (default DEFAULT_CONFIG).
       out: None, or a mutable ref (`jax.new_ref` / `jax.empty_ref`) [G, K, N] of any float
         dtype that receives dw in place at rows out_row .. out_row + E, each fp32 sum rounded

@@ -44,7 +44,9 @@ no software pipeline within a CTA.
 All fp8 outputs are padded to multiples of 128 (zeros; the activations' scale vectors with 1,
 the block scales need none): the layout the GEMM kernels take, so their callers need no padded
 copies. `rows=False` skips the 1 x 128 outputs (the grouped weight gradient needs only the
-128 x 1 ones).
+128 x 1 ones). The "grouped" mode (`quantize_grouped_cols`) writes those 128 x 1 tiles of the
+routed experts' group-padded layout straight from x: each CTA's tile of rows comes from a table
+(8-aligned first row, the rows that are the tile's own), the other rows zeroed in registers.
 
 x is read as it is when M is a multiple of 8 and a row of x a multiple of 32 bytes (the tiled,
 swizzled shared-memory layout of its tile; TMA's 16-byte row stride follows); other shapes are
@@ -62,7 +64,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import default_interpret, lower_once
 from pallas_kernels.fp8.mosaic_common import BLOCK, FP8, transforms
-from pallas_kernels.fp8.reference import E4M3_MAX, _cdiv, _pad_to
+from pallas_kernels.fp8.reference import E4M3_MAX, _cdiv, _pad_to, group_tile_table
 
 DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32))
 
@@ -99,36 +101,47 @@ def _clipped(x, inv_scale):
     return jnp.clip(x * inv_scale, -E4M3_MAX, E4M3_MAX)
 
 
-MODES = ("dual", "cols", "blocks")
+MODES = ("dual", "cols", "blocks", "grouped")
 
 
-def _call(x, mode: str):
+def _call(x, mode: str, table=None, num_groups: int = 0):
     """The kernel on x [M, K] or [E, M, K] (`_direct`), one CTA per 128 x 128 tile (and per
     leading index e, a grid dimension). Returns, each with x's leading axis if it has one:
-      "dual":   (q [Mp, Kp], s_t [Kb, Mp], qt [Kp, Mp], st [Mb, Kp]): 1 x 128 tiles and the
-                transposed 128 x 1 tiles;
-      "cols":   (qt, st) alone;
-      "blocks": (q [Mp, Kp], s [Mb, Kb], qt [Kp, Mp], st [Kb, Mb]): 128 x 128 blocks, both
-                layouts of the same values, the block scales and their transpose.
+      "dual":    (q [Mp, Kp], s_t [Kb, Mp], qt [Kp, Mp], st [Mb, Kp]): 1 x 128 tiles and the
+                 transposed 128 x 1 tiles;
+      "cols":    (qt, st) alone;
+      "blocks":  (q [Mp, Kp], s [Mb, Kb], qt [Kp, Mp], st [Kb, Mb]): 128 x 128 blocks, both
+                 layouts of the same values, the block scales and their transpose;
+      "grouped": (qt [Kp, 128 T], st [T, Kp]) as "cols" of the group-padded copy of x, from
+                 table [4, T] (`reference.group_tile_table`, num_groups = E): CTA row t reads
+                 x's rows [row0, row0 + 128) and zeroes those outside [lo, hi) (all of them in
+                 a tile of group E or an unused one) before the maxima.
     """
-    assert mode in MODES, mode
+    assert mode in MODES and (table is not None) == (mode == "grouped"), mode
     *lead, m, k = x.shape
-    mb, kb = _cdiv(m, BLOCK), _cdiv(k, BLOCK)
+    mb, kb = (table.shape[1] if table is not None else _cdiv(m, BLOCK)), _cdiv(k, BLOCK)
     mp, kp = mb * BLOCK, kb * BLOCK
     x_tr = transforms(_swizzle_bytes(k * x.dtype.itemsize), x.dtype)
     q_tr = transforms(BLOCK, FP8)
-    rows, blocks = mode != "cols", mode == "blocks"
+    rows, blocks, grouped = mode in ("dual", "blocks"), mode == "blocks", mode == "grouped"
 
-    def kernel(x_ref, *out_refs):
-        (q_ref, s_ref, qt_ref, st_ref) = out_refs if rows else (None, None) + out_refs
+    def kernel(*refs):
+        table_ref, (x_ref, *out_refs) = (refs[0], refs[1:]) if grouped else (None, refs)
+        (q_ref, s_ref, qt_ref, st_ref) = out_refs if rows else [None, None] + out_refs
 
         def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar):
             g = (lax.axis_index("e"),) if lead else ()
             i, j = lax.axis_index("m"), lax.axis_index("k")
+            row0 = pl.multiple_of(table_ref[1, i], 8) if grouped else i * BLOCK
             plgpu.copy_gmem_to_smem(
-                x_ref.at[(*g, pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK))], x_smem, bar)
+                x_ref.at[(*g, pl.ds(row0, BLOCK), pl.ds(j * BLOCK, BLOCK))], x_smem, bar)
             plgpu.barrier_wait(bar)
             xt = plgpu.load(x_smem, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+            if grouped:  # only the tile's own rows; a tile of group E or an unused one: none
+                lo = table_ref[2, i]
+                hi = jnp.where(table_ref[0, i] < num_groups, table_ref[3, i], lo)
+                r = plgpu.broadcasted_iota(jnp.int32, (BLOCK, BLOCK), 0, layout=plgpu.Layout.WGMMA)
+                xt = jnp.where((r >= lo) & (r < hi), xt, 0.0)
             ax = jnp.abs(xt)
             col_max = jnp.max(ax, axis=0)  # [128] per column
             if blocks:  # one scale for the whole block; both layouts hold the same values
@@ -181,7 +194,7 @@ def _call(x, mode: str):
     call = plgpu.kernel(kernel, out_type=out_type, grid=(*lead, mb, kb),
                         grid_names=(("e",) if lead else ()) + ("m", "k"),
                         interpret=default_interpret())
-    return call(x)
+    return call(table, x) if grouped else call(x)
 
 
 @lower_once
@@ -190,6 +203,16 @@ def _padded(x, mode: str):
     if not _direct(m, k, x.dtype.itemsize):
         x = _pad_to(_pad_to(x, -2), -1)
     return _call(x, mode)
+
+
+@lower_once
+def _grouped(x, table, num_groups: int):
+    m, k = x.shape
+    mp = max(-(-m // 8) * 8, BLOCK)  # the rows `reference.group_tile_table` was built for
+    kp = k if _direct(mp, k, x.dtype.itemsize) else k + (-k % BLOCK)
+    if (mp, kp) != (m, k):
+        x = jnp.pad(x, ((0, mp - m), (0, kp - k)))
+    return _call(x, "grouped", table, num_groups)
 
 
 def _check(fn: str, arg: str, x, ndims: tuple[int, ...], shapes: str):
@@ -231,6 +254,34 @@ def quantize_dual(x, *, rows: bool = True, padded: bool = True):
     mb, kb = _cdiv(m, BLOCK), _cdiv(k, BLOCK)
     shapes = ((m, k), (m, kb), (k, m), (k, mb))[(0 if rows else 2):]
     return tuple(t[:a, :b] for t, (a, b) in zip(res, shapes))
+
+
+def quantize_grouped_cols(x, group_sizes):
+    """The routed experts' weight-gradient operand: x [M, K] (rows grouped by group_sizes) in
+    the group-padded layout (`reference.pad_groups`) quantised in 128 x 1 tiles and written
+    transposed, straight from x: bitwise `reference.quantize_cols_128x1_t(reference.pad_groups(
+    x, group_sizes)[0])`, with no padded copy of x written and read again.
+
+    Each CTA takes one 128-token tile of `reference.group_tile_table` (whose tiles start at
+    multiples of 8 rows of x, where TMA reads them) and one 128-column block, zeroes the rows of
+    the tile that belong to another group, then quantises as `quantize_dual`'s 128 x 1 half.
+
+    Args:
+      x: [M, K] bfloat16, float16 or float32, rows sorted by group; any M, K >= 1 (M not a
+        multiple of 8, or under 128, is first padded with zero rows: a copy).
+      group_sizes: [E] int, sum <= M (rows past the sum are in no tile).
+    Returns:
+      (xt_q [Kp, P] float8_e4m3fn, xt_s [P / 128, Kp] float32), P = 128 T
+      (`reference.group_tile_table`), Kp = K rounded up to a multiple of 128 (zeros, scale 1):
+      the operand layout of `mosaic_grouped_wgrad.fp8_grouped_wgrad`.
+    Raises:
+      ValueError: x not 2-d, empty, or of another dtype; group_sizes not 1-d.
+    """
+    _check("quantize_grouped_cols", "x", x, (2,), "[M, K]")
+    if group_sizes.ndim != 1 or group_sizes.shape[0] < 1:
+        raise ValueError(f"quantize_grouped_cols needs group_sizes [E], got shape {group_sizes.shape}")
+    table = group_tile_table(group_sizes, x.shape[0])
+    return _grouped(x, table, group_sizes.shape[0])
 
 
 def quantize_blocks_dual(w, *, padded: bool = True):

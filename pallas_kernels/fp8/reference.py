@@ -38,7 +38,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.moe.reference import _tile_layout, grouped_matmul_reference
+from pallas_kernels.moe.mosaic_gpu import row_tile_table
+from pallas_kernels.moe.reference import grouped_matmul_reference
 
 FP8 = jnp.float8_e4m3fn
 E4M3_MAX = 448.0
@@ -231,29 +232,56 @@ def grouped_gemm_blockwise_reference(a_q, a_s, w_q, w_s, group_sizes, *, out_dty
     return out.astype(out_dtype)
 
 
+def group_tile_table(group_sizes, m: int):
+    """The 128-token tiles of the group-padded layout (`pad_groups`): int32 [4, T], column t
+    (group, row0, lo, hi) meaning tile t holds rows [row0 + lo, row0 + hi) of x (the rest of the
+    tile zeros), all of one group. `pallas_kernels.moe.mosaic_gpu.row_tile_table` with 128-row
+    tiles over x padded to Mp = max(ceil8(M), 128) rows: each group's tiles start at its first
+    row rounded down to a multiple of 8 (where Hopper's TMA can read a tile of x from), groups
+    in order; a column of group E (rows past sum(group_sizes)) or unused (lo == hi) holds no
+    rows. T = ceil((Mp + 7 (E + 1)) / 128) + E + 1, a static bound.
+    """
+    mp = max(-(-m // 8) * 8, BLOCK)
+    return row_tile_table(group_sizes, mp, BLOCK)
+
+
+def group_tiles(group_sizes):
+    """(first tile [E], tiles [E]) of each group in the group-padded layout (`group_tile_table`:
+    a group of rows [start, end) has ceil((end - floor8(start)) / 128) tiles, 0 when empty),
+    int32."""
+    gs = group_sizes.astype(jnp.int32)
+    ends = jnp.cumsum(gs)
+    base = (ends - gs) // 8 * 8
+    count = jnp.where(gs > 0, (ends - base + BLOCK - 1) // BLOCK, 0)
+    return jnp.cumsum(count) - count, count
+
+
 def pad_groups(x, group_sizes):
     """Copy rows x [M, C] grouped by group_sizes [E] into a layout whose 128-row tiles each
-    belong to one group (every group starts on a tile boundary; zero rows fill the rest), as
-    the grouped weight-gradient kernel reads them (DeepGEMM pads each expert's rows to 128).
+    belong to one group (`group_tile_table`; zero rows fill the rest), as the grouped
+    weight-gradient kernel reads them (DeepGEMM pads each expert's rows to 128 likewise; here a
+    group's first tile starts at its first row rounded down to a multiple of 8, the rows before
+    it zeros, so the fused kernel `quantize.quantize_grouped_cols` reads the tiles straight
+    from x).
 
-    Each padded row gathers its source row (a row past its group's end gathers zeros), so
+    Each padded row gathers its source row (a row outside its tile's group gathers zeros), so
     x_p is written once: no zero-filled buffer that the rows are then scattered into.
 
     Returns:
-      (x_p [P, C] in x.dtype, tile_group [P / 128] int32, dest [M] int32: the padded row of
-      each row, P for rows past sum(group_sizes)).
+      (x_p [P, C] in x.dtype with P = 128 T, tile_group [T] int32 (the group of each tile;
+      E - 1 for the tiles that hold no rows), dest [M] int32: the padded row of each row, P for
+      rows past sum(group_sizes)).
     """
     m = x.shape[0]
-    dest, tile_group, num_tiles = _tile_layout(group_sizes, m, BLOCK)
-    gs = group_sizes.astype(jnp.int32)
-    padded = (gs + BLOCK - 1) // BLOCK * BLOCK
-    starts, pad_starts = jnp.cumsum(gs) - gs, jnp.cumsum(padded) - padded
-    row = jnp.arange(num_tiles * BLOCK, dtype=jnp.int32)
-    g = jnp.repeat(tile_group, BLOCK)  # the group of each padded row (tiles past all: the last)
-    r = row - pad_starts[g]  # its row within the group
-    src = jnp.where(r < gs[g], starts[g] + r, m)  # m: out of range, gathers zeros
+    e = group_sizes.shape[0]
+    g, row0, lo, hi = group_tile_table(group_sizes, m)
+    r = jnp.arange(BLOCK, dtype=jnp.int32)
+    held = (g[:, None] < e) & (r >= lo[:, None]) & (r < hi[:, None])
+    src = jnp.where(held, row0[:, None] + r, m).reshape(-1)  # m: out of range, gathers zeros
     x_p = jnp.take(x, src, axis=0, mode="fill", fill_value=0)
-    return x_p, tile_group, dest
+    p = src.shape[0]
+    dest = jnp.full((m + 1,), p, jnp.int32).at[src].set(jnp.arange(p, dtype=jnp.int32))[:m]
+    return x_p, jnp.minimum(g, e - 1).astype(jnp.int32), dest
 
 
 def grouped_wgrad_reference(x_q, x_s, dy_q, dy_s, tile_group, num_groups: int, *, out_dtype=jnp.float32):

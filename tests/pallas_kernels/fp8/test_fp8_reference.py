@@ -125,19 +125,27 @@ def test_grouped_references_with_empty_experts_and_unused_rows():
     used = np.asarray(dest) < x_p.shape[0]
     want_p[np.asarray(dest)[used]] = np.asarray(x)[used]
     np.testing.assert_array_equal(np.asarray(x_p), want_p)
-    assert used.sum() == 280 and np.asarray(dest)[used].tolist() == list(range(90)) + list(
-        range(128, 268)) + list(range(384, 434))
+    # a group's tiles start at its first row rounded down to 8 (90 -> 88, 230 -> 224), and a
+    # tile past x's 304 rows (300 rounded up to 8) reads the 128 rows ending there instead:
+    # expert 2's second tile (rows 216.. ) and expert 4's tile (rows 224..) read rows 176..303
+    assert used.sum() == 280 and np.asarray(dest)[used].tolist() == (
+        list(range(90)) + list(range(128 + 2, 256)) + list(range(256 + 40, 256 + 54))
+        + list(range(384 + 54, 384 + 104)))
+    assert np.asarray(tile_group)[:4].tolist() == [0, 2, 2, 4]
     xt_q, xt_s = R.quantize_cols_128x1(x_p)
     dyt_q, dyt_s = R.quantize_cols_128x1(dy_p)
     dw = np.asarray(R.grouped_wgrad_reference(xt_q, xt_s, dyt_q, dyt_s, tile_group, e))
     ends = np.cumsum(np.asarray(gs))
     for i in range(e):
-        rows = slice(ends[i] - int(gs[i]), ends[i])
+        start = ends[i] - int(gs[i])
+        rows = slice(start, ends[i])
         if int(gs[i]) == 0:
             assert (dw[i] == 0).all()
             continue
         # the group's rows quantised on their own, in 128-row tiles from the group's first row
-        a_q, a_s = R.quantize_cols_128x1(x[rows])
-        b_q, b_s = R.quantize_cols_128x1(dy[rows])
+        # rounded down to 8 (zeros before it; moving a tile back changes no tile's rows)
+        lead = ((start % 8, 0), (0, 0))
+        a_q, a_s = R.quantize_cols_128x1(jnp.pad(x[rows], lead))
+        b_q, b_s = R.quantize_cols_128x1(jnp.pad(dy[rows], lead))
         want = _f64(a_q, R._expand(a_s, a_q.shape[0], 0)).T @ _f64(b_q, R._expand(b_s, b_q.shape[0], 0))
         np.testing.assert_allclose(dw[i], want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

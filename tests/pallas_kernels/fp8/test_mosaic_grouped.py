@@ -15,7 +15,7 @@ from pallas_kernels.fp8 import api, fp8_grouped_gemm
 from pallas_kernels.fp8 import mosaic_grouped_wgrad as mw
 from pallas_kernels.fp8 import reference as R
 from pallas_kernels.fp8.mosaic_gemm import fp8_gmm_blockwise
-from pallas_kernels.fp8.mosaic_grouped_wgrad import WgradConfig, fp8_grouped_wgrad, group_tiles
+from pallas_kernels.fp8.mosaic_grouped_wgrad import WgradConfig, fp8_grouped_wgrad
 
 E = 4
 # rows 0..299 used; one expert empty / one expert with every row
@@ -75,7 +75,7 @@ def test_grouped_wgrad_scales_are_applied_per_tile_row_and_column():
     gs = jnp.asarray(GROUPS["empty"], jnp.int32)
     (xq, xs), (dq, ds), tile_group = wgrad_operands(5, 300, 256, 256, gs)
     base = np.asarray(finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs)))
-    first, count = (np.asarray(a) for a in group_tiles(gs))
+    first, count = (np.asarray(a) for a in R.group_tiles(gs))
     assert count.tolist() == [1, 0, 1, 2] and first.tolist() == [0, 1, 1, 2]
     xs2 = xs.at[3, 17].multiply(0.0)   # expert 3's second tile, x channel 17
     ds2 = ds.at[0, 200].multiply(3.0)  # expert 0's tile, dy channel 200

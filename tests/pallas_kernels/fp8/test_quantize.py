@@ -1,8 +1,9 @@
 """The fused FP8 quantisation kernel (`pallas_kernels.fp8.quantize`, Mosaic GPU in GPU interpret
 mode here): bitwise equality of both outputs of `quantize_dual` (1 x 128 tiles; 128 x 1 tiles
 written transposed) with `reference.quantize_rows_1x128` and `reference.quantize_cols_128x1_t`,
-and of `quantize_blocks_dual` (128 x 128 blocks as stored and transposed, dense and per expert)
-with `reference.quantize_blocks_128x128`, on random inputs with outliers, zero tiles, partial
+of `quantize_blocks_dual` (128 x 128 blocks as stored and transposed, dense and per expert)
+with `reference.quantize_blocks_128x128`, and of `quantize_grouped_cols` with the 128 x 1 tiles of
+`reference.pad_groups`' copy, on random inputs with outliers, zero tiles, partial
 edge tiles and values on E4M3 rounding ties, in bf16, fp16 and fp32; the padded layout the GEMMs
 take; the 128 x 1 half alone; race detection; fp8_linear / fp8_grouped_gemm with impl="mosaic"
 against the reference path, their backward reusing the forward's weight blocks; and the
@@ -99,7 +100,32 @@ def test_no_races(kernel_races, monkeypatch):
     x = activation((256, 256), jnp.bfloat16, seed=4)
     jax.block_until_ready(quantize._call(x, "dual"))
     jax.block_until_ready(quantize._call(jnp.stack([x, -2 * x]), "blocks"))
-    assert len(kernel_races) == 2 and not any(kernel_races), kernel_races
+    jax.block_until_ready(quantize.quantize_grouped_cols(x, jnp.array([100, 0, 156])))
+    assert len(kernel_races) == 3 and not any(kernel_races), kernel_races
+
+
+@pytest.mark.parametrize("m,k,groups,dtype", [
+    (320, 256, (90, 0, 140, 50), jnp.bfloat16),   # unaligned starts, an empty group, 40 rows unused
+    (300, 200, (7, 130, 0, 163), jnp.float32),    # M % 8, K % 128, a tile moved back to end at M
+    (96, 136, (3, 90, 0, 1), jnp.float16),        # M < 128: padded to one tile's rows
+    (512, 1056, (0, 0, 0, 512), jnp.bfloat16),    # one group holds every row; 32-byte swizzle
+])
+def test_grouped_cols_bitwise_equal_to_the_reference(m, k, groups, dtype):
+    """quantize_grouped_cols reads the routed rows themselves: bitwise the 128 x 1 tiles of
+    reference.pad_groups' copy (quantize_cols_128x1_t), Kp - K zero rows and scale 1 past K."""
+    x = activation((m, k), dtype, seed=m + k)
+    gs = jnp.asarray(groups, jnp.int32)
+    q, s = jax.jit(quantize.quantize_grouped_cols)(x, gs)
+    want_q, want_s = R.quantize_cols_128x1_t(R.pad_groups(x, gs)[0])
+    kp = -(-k // 128) * 128
+    assert q.shape == (kp, want_q.shape[1]) and s.shape == (want_q.shape[1] // 128, kp)
+    assert not np.argwhere(bits(q[:k]) != bits(want_q)).size
+    assert not np.argwhere(bits(s[:, :k].T) != bits(want_s)).size
+    assert not np.asarray(q[k:].astype(jnp.float32)).any() and (np.asarray(s[:, k:]) == 1).all()
+    # the rows past sum(groups) are in no tile: changing them changes nothing
+    if sum(groups) < m:
+        q2, s2 = jax.jit(quantize.quantize_grouped_cols)(x.at[sum(groups):].set(7.0), gs)
+        assert (bits(q2) == bits(q)).all() and (bits(s2) == bits(s)).all()
 
 
 def weight(shape, dtype, seed):
@@ -284,6 +310,11 @@ def test_lowers_for_hopper():
         with _hopper.target_device(_H100()):
             text = jax.jit(quantize_blocks_dual).trace(S(shape, dtype)).lower(
                 lowering_platforms=("cuda",)).as_text()
+        assert len(re.findall(r'kernel_hash = "', text)) == 1, (shape, dtype)
+    for shape, dtype in (((49152, 2048), jnp.bfloat16), ((300, 200), jnp.float32)):
+        with _hopper.target_device(_H100()):
+            text = jax.jit(quantize.quantize_grouped_cols).trace(
+                S(shape, dtype), S((64,), jnp.int32)).lower(lowering_platforms=("cuda",)).as_text()
         assert len(re.findall(r'kernel_hash = "', text)) == 1, (shape, dtype)
 
     def fwd_bwd(x, w, dy):
