@@ -40,8 +40,8 @@ Expert rows also time the backward's two grouped GEMMs (a second table), each pr
              (dy in 1 x 128 tiles, the weights' 128 x 128 blocks read as [K(out), N(contraction)])
   wgrad      dw [E, K, N] = x_e^T @ dy_e per expert: bf16 `mosaic_tgmm.tgmm(x, dy)` (bf16 dw)
              against `mosaic_grouped_wgrad.fp8_grouped_wgrad` (fp32 dw; x and dy group-padded to
-             128 rows per expert and quantised in 128 x 1 tiles, stored transposed); "+q" adds
-             the padding, quantisation and transposition (jnp fusions)
+             128-row tiles per expert and quantised in 128 x 1 tiles, stored transposed); "+q" adds
+             that quantisation (`quantize.quantize_grouped_cols`, one kernel per operand)
 
 Their errors: relative L2 of ours against the fp32 product of the dequantised operands (first 4
 groups), and of that against the fp32 product of the unquantised ones ("quant").
@@ -237,15 +237,11 @@ def _fused_rows(outs):
 
 
 def wgrad_operands(x, dy, gs):
-    """x [M, K], dy [M, N] -> the grouped wgrad kernel's operands: group-padded (each group's
-    rows start on a 128-row tile), quantised in 128 x 1 tiles, transposed: (xt_q [K, P],
-    xt_s [P/128, K], dyt_q [N, P], dyt_s [P/128, N])."""
-    from pallas_kernels.fp8 import reference as R
-    out = []
-    for t in (x, dy):
-        q, s = R.quantize_cols_128x1(R.pad_groups(_pad_to(t, 1, BLOCK), gs)[0])
-        out += [q.T, s]
-    return tuple(out)
+    """x [M, K], dy [M, N] -> the grouped wgrad kernel's operands as fp8_grouped_gemm makes them
+    (`quantize.quantize_grouped_cols`: the group-padded layout's 128 x 1 tiles read straight from
+    the rows, transposed): (xt_q [Kp, P], xt_s [P/128, Kp], dyt_q [Np, P], dyt_s [P/128, Np])."""
+    from pallas_kernels.fp8.quantize import quantize_grouped_cols
+    return quantize_grouped_cols(x, gs) + quantize_grouped_cols(dy, gs)
 
 
 def build_grouped_bwd(row, key, shapes_only=False):
@@ -303,17 +299,18 @@ def grouped_bwd_errors(row, bwd, outs):
                               row["w"][g].astype(jnp.float32), precision=hp))
     ref_q, ref_x = jnp.concatenate(refs_q), jnp.concatenate(refs_x)
     res["dgrad"] = (err(outs["dgrad"][:hi, :k], ref_q), err(ref_q, ref_x))
-    # wgrad: groups 0..3 from the tiles of each
-    p4 = sum(-(-g // BLOCK) for g in gs[:4]) * BLOCK  # the padded rows of groups 0..3
+    # wgrad: groups 0..3 from the tiles of each (`reference.group_tiles`)
+    from pallas_kernels.fp8 import reference as R
+    first, count = ([int(v) for v in a] for a in R.group_tiles(row["gs"]))
+    g4 = min(4, len(gs))
+    p4 = (first[g4 - 1] + count[g4 - 1]) * BLOCK  # the padded rows of groups 0..3
     xt_q, xt_s, dyt_q, dyt_s = (o[..., :p4] if i % 2 == 0 else o[:p4 // BLOCK]
                                 for i, o in enumerate(bwd["wg_ops"]))
     xd = xt_q.astype(jnp.float32) * jnp.repeat(xt_s.T, BLOCK, axis=1)     # [Kp, p4]
     dd = dyt_q.astype(jnp.float32) * jnp.repeat(dyt_s.T, BLOCK, axis=1)   # [Np, p4]
     e_q, e_x = [], []
-    t0 = 0
-    for g in range(min(4, len(gs))):
-        cols = slice(t0 * BLOCK, (t0 + -(-gs[g] // BLOCK)) * BLOCK)
-        t0 += -(-gs[g] // BLOCK)
+    for g in range(g4):
+        cols = slice(first[g] * BLOCK, (first[g] + count[g]) * BLOCK)
         rows = slice(starts[g], starts[g] + gs[g])
         e_q.append((outs["wgrad"][g][:k, :n], jnp.dot(xd[:k, cols], dd[:n, cols].T, precision=hp)))
         e_x.append(jnp.dot(row["a"][rows].astype(jnp.float32).T,
