@@ -1,6 +1,7 @@
 """Test-wide setup: 8 fake CPU devices (sharding tests), float32 matmuls at full precision,
 XLA's CPU backend at optimization level 0, and one XLA compilation cache for the session;
-subprocesses (CLI tests) inherit all four through the environment.
+subprocesses (CLI tests) and pytest-xdist's worker processes (pyproject.toml runs two) inherit all
+four through the environment.
 
 Optimization level 0 (`--xla_backend_optimization_level=0`, on CPU, unless XLA_FLAGS sets a level): the
 suite's time is mostly XLA compiling small programs that then run for milliseconds, and the LLVM
@@ -19,7 +20,8 @@ options). Every program is cached, however fast it compiled (minimum compile tim
 init of one tiny model runs about 60 small eager programs, most of which compile in under 0.5 s
 (15 to 30 s in all on a busy 2-core machine, under 2 s read back from the cache), and every CLI
 subprocess, like every fresh `jax.jit(lambda ...)`, would otherwise compile them again. The
-directory is new for every session and removed at exit."""
+directory is new for every session (made by the pytest process that starts the workers, before
+it starts them, so they share it) and removed at exit."""
 import atexit
 import os
 import shutil

@@ -67,11 +67,15 @@ def test_tiny_config_loss_falls_over_30_steps(corpus, tmp_path):
 SCHEDULE_30 = "optim.decay_steps=30"
 
 
-# bf16 compute over fp32 master weights: the state holds their bf16 copy, which checkpoints leave
-# out and a resumed run casts again
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+# bf16 compute over fp32 master weights with every linear's GEMMs in FP8 (model.fp8=blockwise): the
+# state holds the weights' bf16 copy, which checkpoints leave out and a resumed run casts again; the
+# E4M3 operands are quantised from the weights every step (nothing FP8 is checkpointed)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16 fp8"])
 def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog, dtype):
-    a = cfg_for(corpus, tmp_path / "a", "train.steps=6", "checkpoint.every=3", SCHEDULE_30, f"model.dtype={dtype}")
+    dtype, *fp8 = dtype.split()
+    sets = ("train.steps=6", "checkpoint.every=3", SCHEDULE_30, f"model.dtype={dtype}") + (
+        ("model.fp8=blockwise",) if fp8 else ())
+    a = cfg_for(corpus, tmp_path / "a", *sets)
     with caplog.at_level("WARNING", logger="dsjax"):
         loop.train(a, resume=True)  # nothing to resume yet: starts from step 0 and says so
     assert "no checkpoint" in caplog.text and "starting from step 0" in caplog.text
@@ -79,7 +83,7 @@ def test_resume_gives_bit_identical_losses_and_params(corpus, tmp_path, caplog, 
     b_dir = tmp_path / "b" / "run"
     (b_dir / "checkpoints").mkdir(parents=True)
     shutil.copytree(tmp_path / "a" / "run" / "checkpoints" / "3", b_dir / "checkpoints" / "3")
-    b = cfg_for(corpus, tmp_path / "b", "train.steps=6", "checkpoint.every=3", SCHEDULE_30, f"model.dtype={dtype}")
+    b = cfg_for(corpus, tmp_path / "b", *sets)
     with pytest.raises(FileExistsError, match="--resume"):
         loop.train(b)
     loop.train(b, resume=True)

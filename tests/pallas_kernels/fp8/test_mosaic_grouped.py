@@ -18,6 +18,11 @@ from pallas_kernels.fp8.mosaic_gemm import fp8_gmm_blockwise
 from pallas_kernels.fp8.mosaic_grouped_wgrad import WgradConfig, fp8_grouped_wgrad
 
 E = 4
+# the kernels against the fp32 promotion of the same E4M3 operands: exact up to fp32 rounding in
+# interpret mode; on a Hopper GPU the 8-bit wgmma sums each 128-wide block with its own reduced
+# accumulator precision (~14 bits, DeepSeek-V3 sec. 3.3.2, which the per-block promotion bounds):
+# 1.1e-4 measured for the grouped weight gradient on an H100, a fault gives 1e-2 and more
+TOL = 5e-4 if _hopper.on_hopper() else 1e-6
 # rows 0..299 used; one expert empty / one expert with every row
 GROUPS = {"empty": (100, 0, 37, 163), "all": (0, 0, 300, 0)}
 
@@ -61,12 +66,12 @@ def test_grouped_wgrad_matches_reference(groups, tile_n):
     want = R.grouped_wgrad_reference(xq, xs, dq, ds, tile_group, E)
     got = finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=WgradConfig(tile_n=tile_n)))
     assert got.shape == (E, k, n) and got.dtype == jnp.float32
-    assert rel(got, want) < 1e-6
+    assert rel(got, want) < TOL
     for g in range(E):
         if GROUPS[groups][g] == 0:
             assert (np.asarray(got[g]) == 0).all()
         else:
-            assert rel(got[g], want[g]) < 1e-6
+            assert rel(got[g], want[g]) < TOL
 
 
 def test_grouped_wgrad_scales_are_applied_per_tile_row_and_column():
@@ -81,7 +86,7 @@ def test_grouped_wgrad_scales_are_applied_per_tile_row_and_column():
     ds2 = ds.at[0, 200].multiply(3.0)  # expert 0's tile, dy channel 200
     got = np.asarray(finished(fp8_grouped_wgrad(xq.T, xs2, dq.T, ds2, gs)))
     want = np.asarray(R.grouped_wgrad_reference(xq, xs2, dq, ds2, tile_group, E))
-    assert rel(got, want) < 1e-6
+    assert rel(got, want) < TOL
     np.testing.assert_allclose(got[0][:, 200], 3 * base[0][:, 200], rtol=1e-6,
                                atol=1e-6 * np.abs(base[0]).max())
     assert not np.allclose(got[3][17], base[3][17])
@@ -105,7 +110,7 @@ def test_dgrad_kernel_reads_the_weights_as_quantised(groups):
     want = R.grouped_gemm_blockwise_reference(dy_q, dy_s, jnp.swapaxes(w_q, 1, 2),
                                               jnp.swapaxes(w_s, 1, 2), gs)
     assert got.shape == (m, k)
-    assert rel(got, want) < 1e-6
+    assert rel(got, want) < TOL
 
 
 @pytest.mark.parametrize("m,k,n,groups,dtype", [(300, 256, 256, "empty", jnp.float32),
@@ -131,9 +136,9 @@ def test_fp8_grouped_gemm_mosaic_matches_reference(m, k, n, groups, dtype):
     (y, dx, dw), (y_r, dx_r, dw_r) = outs["mosaic"], outs["reference"]
     assert (y.dtype, dx.dtype, dw.dtype) == (dtype, dtype, jnp.float32)
     assert y.shape == (m, n) and dx.shape == (m, k) and dw.shape == (E, k, n)
-    tol = 1e-6 if dtype == jnp.float32 else 2 ** -8
+    tol = TOL if dtype == jnp.float32 else 2 ** -8
     assert rel(y, y_r) < tol and rel(dx, dx_r) < tol
-    assert rel(dw, dw_r) < 1e-6
+    assert rel(dw, dw_r) < TOL
     for g, size in enumerate(GROUPS[groups]):
         if size == 0:
             assert (np.asarray(dw[g]) == 0).all()
