@@ -42,7 +42,8 @@ from pallas_kernels.moe.routing import _check, _hopper, _kernel_backend
 def pallas_unsupported(x, w, transpose_rhs=False):
     """None if the Mosaic GPU kernels take x [M, K] @ w [E, K, N] (w [E, N, K] with
     transpose_rhs; arrays or `jax.ShapeDtypeStruct`s) forward and backward, else the reason in
-    one line: one dtype, bf16 or fp16; K and N multiples of 128; M >= the row tile."""
+    one line: one dtype, bf16 or fp16; K and N multiples of 128. Any M: fewer rows than the row
+    tile are padded to it (`_padded_rows`)."""
     try:
         mosaic_gpu.check_dtypes(x, w)
         n = w.shape[1] if transpose_rhs else w.shape[2]
@@ -51,8 +52,6 @@ def pallas_unsupported(x, w, transpose_rhs=False):
         mosaic_gpu.pick_tile_n(kc)  # dx of the forward GEMM has width kc
         if kc % 64:
             raise ValueError(f"contraction width {kc} must be a multiple of 64")
-        if x.shape[0] < mosaic_gpu.TileConfig().tile_m:
-            raise ValueError(f"{x.shape[0]} rows < tile_m")
     except ValueError as err:
         return str(err)
     return None
@@ -70,6 +69,19 @@ def _extra_fits(x, w, extra, out_dtype=None):
     if reason is None and len(extra) == 3:
         reason = mosaic_gpu.extra_fits(w.shape[1], r, x.dtype, transpose_rhs=True)
     return None if reason is None else f"extra: {reason}"
+
+
+def _padded_rows(backend, arrays):
+    """For the kernels (backend not "reference"): arrays of M < tile_m rows ([M, ...] each)
+    padded with zero rows to tile_m, and M; else (arrays, None). The padded rows lie past
+    sum(group_sizes), so the kernels give them zeros and they add nothing to a weight gradient:
+    a decode step's few routed rows (6 per token) read only the experts they route to, where the
+    reference's per-tile loop would read every expert's weights."""
+    m = arrays[0].shape[0]
+    tile = mosaic_gpu.TileConfig().tile_m
+    if backend == "reference" or m >= tile:
+        return arrays, None
+    return tuple(jnp.pad(a, ((0, tile - m),) + ((0, 0),) * (a.ndim - 1)) for a in arrays), m
 
 
 def _resolve(impl, x, w, extra=(), out_dtype=None):
@@ -342,7 +354,7 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
       sources is tied to dx (or dt) by an optimization barrier); group_sizes gets no gradient.
     Raises:
       ValueError: unknown impl, impl="pallas" with shapes/dtypes the kernels cannot take
-      (N and Kd multiples of 128, M >= 128), an in_stack whose layer is not w's shape and
+      (N and Kd multiples of 128; M < 128 rows are padded), an in_stack whose layer is not w's shape and
       dtype or whose i is outside [0, L), or an extra whose shapes do not fit x and w.
     """
     extra = tuple(extra) if extra is not None else ()
@@ -369,7 +381,9 @@ def grouped_matmul(x, w, group_sizes, *, impl="auto", preferred_element_type=Non
     gmm = _gmm
     if dw_sink is not None:
         gmm = _gmm_sinking(check_dw_sink(dw_sink, w))
-    return gmm(x, w, group_sizes.astype(jnp.int32), src, extra, out_dtype, backend)
+    (x, *t), m = _padded_rows(backend, (x,) + extra[:1])
+    out = gmm(x, w, group_sizes.astype(jnp.int32), src, tuple(t) + extra[1:], out_dtype, backend)
+    return out if m is None else out[:m]
 
 
 # ----------------------------------------------------------------------------- fused gate/up + SwiGLU
@@ -448,9 +462,11 @@ def gate_up_swiglu(x, w_gate_up, group_sizes, *, impl="auto"):
       Differentiable in x and w_gate_up (the SwiGLU backward is XLA; dx/dw grouped GEMMs).
     Raises:
       ValueError: unknown impl, 2I not a multiple of 256 (any impl), or impl="pallas" with
-      shapes the kernels cannot take (D a multiple of 128, M >= 128, bf16/f16).
+      shapes the kernels cannot take (D a multiple of 128, bf16/f16; M < 128 rows are padded).
     """
     if w_gate_up.shape[-1] % 256:
         raise ValueError(f"gate|up width {w_gate_up.shape[-1]} is not a multiple of 256")
     backend = _resolve(impl, x, w_gate_up)
-    return _gate_up_swiglu(x, w_gate_up, group_sizes.astype(jnp.int32), backend)
+    (x,), m = _padded_rows(backend, (x,))
+    out = _gate_up_swiglu(x, w_gate_up, group_sizes.astype(jnp.int32), backend)
+    return out if m is None else out[:m]

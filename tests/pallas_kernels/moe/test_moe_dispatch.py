@@ -247,6 +247,29 @@ def test_mosaic_grouped_matmul_custom_vjp_bf16():
     assert rel_err(gw, gw_r) < 1e-2
 
 
+def test_few_rows_run_on_the_kernels_padded_to_a_row_tile(monkeypatch):
+    """A decode step's routed rows (one token, 6 experts: M = 6 < tile_m): impl='pallas' pads
+    them with zero rows past sum(group_sizes) and runs the kernels (before, it refused and
+    'auto' fell back to the reference, whose per-tile loop reads every expert's weights);
+    outputs and gradients vs the fp32 reference, the padding invisible."""
+    m, kd, n, e = 6, 128, 128, 8
+    x, w, dy = operands(m, kd, n, e, seed=5)
+    gs = jnp.array([1, 0, 2, 0, 1, 1, 0, 1], jnp.int32)
+    f32 = lambda a: a.astype(jnp.float32)  # noqa: E731
+    run = lambda x, w: grouped_matmul(x, w, gs, impl="pallas")  # noqa: E731
+    rows, real = [], mosaic_gpu.gmm
+    monkeypatch.setattr(mosaic_gpu, "gmm", lambda x, *a, **kw: rows.append(x.shape[0]) or real(x, *a, **kw))
+    out, vjp = jax.vjp(run, x, w)
+    gx, gw = vjp(dy)
+    assert rows == [mosaic_gpu.TileConfig().tile_m] * 2  # forward and dx, padded
+    assert out.shape == (m, n) and gx.shape == (m, kd) and gw.shape == (e, kd, n)
+    out_r, vjp_r = jax.vjp(lambda x, w: grouped_matmul(x, w, gs, impl="reference"), f32(x), f32(w))
+    gx_r, gw_r = vjp_r(f32(dy))
+    for got, want in ((out, out_r), (gx, gx_r), (gw, gw_r)):
+        assert rel_err(got, want) < 1e-2
+    assert not np.asarray(gw[jnp.array([1, 3, 6])], np.float32).any()  # experts without rows
+
+
 def test_grouped_matmul_gradients_only_where_needed():
     """Frozen weights (only x differentiated): the same dx, no weight-gradient GEMM and no
     barrier; weights alone: the same dw; both: dw tied to dx by one optimization barrier (so
