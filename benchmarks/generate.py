@@ -5,6 +5,8 @@
         [--json FILE]
     python benchmarks/generate.py --tiny     # 2 small layers, 3 steps: a CPU smoke run
 
+Modes: "absorbed" (XLA's products over the latent), "kernel" (absorbed through the split-context
+Mosaic GPU kernel, `pallas_kernels.mla_decode`; bf16 caches), "expanded" (K/V through kv_b_proj).
 Per (batch, context, decode mode, cache dtype): one decode step (`dsjax.model.decode.decode_step`,
 jitted, cache donated) over a cache whose `context` slots per row all hold random latents, so
 every step reads the whole context (the same random latents for every cache dtype and mode);
@@ -108,7 +110,7 @@ def run_point(model, batch: int, context: int, mode: str, cache_dtype: str, step
     from flax import nnx
     from dsjax.model import decode as D
     cfg = model.cfg
-    cc = D.CacheConfig(cache_dtype, absorb=mode == "absorbed")
+    cc = D.CacheConfig(cache_dtype, absorb=mode != "expanded", kernel=mode == "kernel")
     gd, st = nnx.split(model)
     cache = random_cache(cfg, batch, context, cc, jax.random.key(1))
     step = jax.jit(lambda st, t, c, cur: D.decode_step(nnx.merge(gd, st), t, c, cur, cc), donate_argnums=(2,))
@@ -130,6 +132,15 @@ def run_point(model, batch: int, context: int, mode: str, cache_dtype: str, step
     return {"batch": batch, "context": context, "mode": mode, "cache_dtype": cache_dtype, "step_ms": dt * 1e3,
             "tokens_per_s": batch / dt, "cache_gb": D.cache_nbytes(cache) / 1e9, "compile_s": compile_s,
             "finite": bool(jnp.all(jnp.isfinite(logits))), "_logp0": logp0}
+
+
+def kernel_refuses(cfg, context: int, cache_dtype: str) -> str | None:
+    """Why `pallas_kernels.mla_decode` would not take this model's cache (None if it does): the
+    "kernel" mode would otherwise run XLA's absorbed path under the kernel's name."""
+    from pallas_kernels.mla_decode import mosaic
+    if cache_dtype == "int8":
+        return "an int8 cache"
+    return mosaic.supported(cfg.kv_lora_rank, cfg.qk_rope_head_dim, context, cache_dtype)
 
 
 def kl_nats(logp, logq) -> float:
@@ -192,7 +203,8 @@ def main(argv=None) -> list:
     p.add_argument("--layers", type=int, default=27)
     p.add_argument("--batches", default="1,16,64")
     p.add_argument("--contexts", default="4096,32768")
-    p.add_argument("--modes", default="absorbed,expanded", help="comma list of absorbed, expanded")
+    p.add_argument("--modes", default="absorbed,expanded",
+                   help="comma list of absorbed, kernel (absorbed through pallas_kernels.mla_decode), expanded")
     p.add_argument("--cache-dtypes", default="bfloat16,int8", help="comma list of bfloat16, int8")
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--hf", default="1x4096,16x4096", help="HF peer points BATCHxCONTEXT, comma list ('' for none)")
@@ -223,6 +235,12 @@ def main(argv=None) -> list:
         for S in (int(x) for x in args.contexts.split(",")):
             for mode in args.modes.split(","):
                 for dt in args.cache_dtypes.split(","):
+                    why = kernel_refuses(cfg, S, dt) if mode == "kernel" else None
+                    if why:
+                        rows.append({"batch": B, "context": S, "mode": mode, "cache_dtype": dt,
+                                     "error": f"not run: the decode kernel does not take {why}"})
+                        print(fmt(rows[-1]), flush=True)
+                        continue
                     if not args.tiny and not fits(cfg, B, S, mode, dt, free):
                         rows.append({"batch": B, "context": S, "mode": mode, "cache_dtype": dt, "error": "does not fit"})
                         print(fmt(rows[-1]), flush=True)

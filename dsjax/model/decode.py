@@ -29,6 +29,7 @@ H * (Dn + Dv). int8 dequantises inside: scores use (q_lat . c_int8) * c_scale an
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,8 @@ from dsjax.model.layers import dtype_of
 from dsjax.model.rope import rope_cos_sin
 from pallas_kernels.flash_attention import flash_attention
 from pallas_kernels.flash_attention.reference import attention_reference
+from pallas_kernels.mla_decode import mla_decode
+from pallas_kernels.mla_decode.api import kernel_fits
 
 KV_CACHE_DTYPES = ("bfloat16", "float32", "int8")
 
@@ -53,6 +56,10 @@ class CacheConfig:
       tokens plus the last `window` ones (StreamingLLM), a cache of sink_tokens + window slots.
     absorb: decode steps attend over the latent (True) or expand K/V through kv_b_proj (False,
       the training form; prefill always expands).
+    kernel: absorbed decode steps attend through the split-context Mosaic GPU kernel
+      (`pallas_kernels.mla_decode`, each row's latent read once) where it takes the cache (a
+      bf16 / fp16 cache of a multiple of 64 slots, kv_lora_rank a multiple of 128 up to 512);
+      False: XLA's two latent products.
     Raises ValueError (one line naming the option) on a bad value.
     """
 
@@ -60,6 +67,7 @@ class CacheConfig:
     sink_tokens: int = 0
     window: int | None = None
     absorb: bool = True
+    kernel: bool = False
 
     def __post_init__(self):
         if self.dtype is not None and self.dtype not in KV_CACHE_DTYPES:
@@ -203,17 +211,24 @@ def slot_layout(cur, S: int, cc: CacheConfig):
     return slot, cur - offset, key_pos, s < jnp.minimum(n, S)[:, None]
 
 
-def absorbed_attention(attn, q, lc, k_rope, valid, scale):
+def absorbed_attention(attn, q, lc, k_rope, valid, scale, kernel: bool = False):
     """Attention over the latent. q [B, T, H, Dn + R] (roped); lc the layer's cache (c_kv
     [B, S, C], c_scale [B, S] for int8); k_rope [B, S, R] rotated; valid [B, S] or [B, T, S]
     bool. Returns heads [B, T, H, Dv] in q.dtype. fp32 scores, softmax and accumulation;
-    the two latent matmuls take compute-dtype operands."""
+    the two latent matmuls take compute-dtype operands. kernel: one query per row (T = 1) over
+    a cache the kernel takes goes through `pallas_kernels.mla_decode` (`CacheConfig.kernel`)."""
     cfg = attn.cfg
     cdt = q.dtype
     w_uk, w_uv = attn.absorbed_weights(cdt)
     q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     f32 = jnp.float32
     q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=f32).astype(cdt)
+    if (kernel and q.shape[1] == 1 and valid.ndim == 2 and "c_scale" not in lc
+            and kernel_fits(q_lat, lc["c_kv"], k_rope) is None):
+        bias = jnp.where(valid, 0.0, -jnp.inf).astype(f32)
+        o_lat = mla_decode(q_lat[:, 0], q_rope[:, 0].astype(cdt), lc["c_kv"], k_rope, bias, scale,
+                           impl="mosaic")[:, None].astype(cdt)
+        return jnp.einsum("bthc,chv->bthv", o_lat, w_uv, preferred_element_type=f32).astype(cdt)
     c_kv = lc["c_kv"].astype(cdt)  # int8 values are exact in bf16
     s_lat = jnp.einsum("bthc,bsc->bhts", q_lat, c_kv, preferred_element_type=f32)
     c_scale = lc.get("c_scale")
@@ -254,7 +269,8 @@ def decode_step(model, tokens, cache, cur, cc: CacheConfig):
     if key_pos is not None:
         cos_k, sin_k = rope_cos_sin(key_pos, model.inv_freq, model.attn_factor)
     rows = jnp.arange(B)
-    attention = absorbed_attention if cc.absorb else expanded_attention
+    attention = (functools.partial(absorbed_attention, kernel=cc.kernel) if cc.absorb
+                 else expanded_attention)
 
     def attend(attn, q, c_kv, k_rope, lc):
         keys = lc["k_rope"] if key_pos is None else attn.rope_key(lc["k_rope"], cos_k, sin_k)

@@ -57,6 +57,27 @@ def test_decode_steps_match_the_full_forward(model_and_stream, absorb):
     np.testing.assert_allclose(got, full, rtol=1e-4, atol=1e-4)
 
 
+def test_decode_kernel_equals_the_xla_absorbed_steps():
+    """CacheConfig(kernel=True): absorbed decode steps through the split-context Mosaic kernel
+    (GPU interpret mode here; a latent of 128 and RoPE keys of 64, which it takes, in bf16)
+    give the logits of XLA's absorbed steps to bf16 rounding, full cache and sinks + window."""
+    cfg = dataclasses.replace(CFG, kv_lora_rank=128, qk_rope_head_dim=64, dtype="bfloat16")
+    m = DeepSeekModel(cfg, rngs=nnx.Rngs(1))
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 12)), jnp.int32)
+    calls = []
+    real = D.mla_decode
+    D.mla_decode = lambda *a, **kw: calls.append(kw["impl"]) or real(*a, **kw)
+    try:
+        for cc in (D.CacheConfig(), D.CacheConfig(sink_tokens=4, window=60)):
+            want, _ = stream_logits(m, toks, cc, 64)
+            got, _ = stream_logits(m, toks, dataclasses.replace(cc, kernel=True), 64)
+            err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
+            assert err < 2e-2, err
+    finally:
+        D.mla_decode = real
+    assert calls and set(calls) == {"mosaic"}
+
+
 def test_absorbed_equals_expanded_attention_with_lora():
     """One layer's attention over a random cache: absorbed vs expanded (int8 and float32), with a
     LoRA adapter on kv_b_proj folded into W_UK / W_UV; and decode of the merged weights equals
