@@ -1,5 +1,6 @@
 """The dense FP8 linear (`pallas_kernels.fp8.fp8_linear`) under a mesh: each device runs the three
-FP8 GEMMs on its own tokens, inside `shard_map`.
+FP8 GEMMs on its own tokens, inside `shard_map`; likewise the frozen FP8 weight of a LoRA run
+(`pallas_kernels.fp8.frozen.fp8_linear_frozen`, forward and dgrad: `fp8_linear_frozen_from_context`).
 
 Legend: B batch, T sequence, K input width, N output width; Bl, Tl, Kl, Nl their per-device sizes.
 
@@ -43,6 +44,7 @@ import jax
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.fp8 import api as fp8_api
+from pallas_kernels.fp8.frozen import Fp8Weight, fp8_linear_frozen
 
 TILE = 128  # tokens per wgrad tile (`pallas_kernels.fp8.reference.BLOCK`)
 
@@ -95,9 +97,7 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto"):
     mesh = ctx.mesh
     tok = ctx.spec(("batch", "seq", None), x.shape, strict=False)
     ba, sa = _axes(tok[0]), _axes(tok[1])
-    wspec = ctx.rules.spec(tuple(w_axes), w.shape, mesh, strict=False)
-    # a split that would cut a 128-wide tile keeps that dimension whole (gathered)
-    wspec = P(*[e if (n // _size(mesh, _axes(e))) % TILE == 0 else None for e, n in zip(wspec, w.shape)])
+    wspec = _weight_spec(ctx, w_axes, w.shape)
     ka, na = _axes(wspec[0]), _axes(wspec[1])
     if not (ba or sa or ka or na):  # nothing split: every device computes the whole GEMM
         return fp8_api.fp8_linear(x, w, impl=backend)
@@ -118,3 +118,55 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto"):
     fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok[0], tok[1], wspec[0]), wspec),
                        out_specs=P(tok[0], tok[1], wspec[1]), check_vma=False)
     return fn(x, w)
+
+
+def _weight_spec(ctx, w_axes, shape):
+    """The preset's spec of a weight [K, N] of logical axes w_axes, with a split that would cut
+    a 128-wide FP8 tile dropped (that dimension gathered)."""
+    mesh = ctx.mesh
+    wspec = ctx.rules.spec(tuple(w_axes), shape, mesh, strict=False)
+    return P(*[e if (n // _size(mesh, _axes(e))) % TILE == 0 else None for e, n in zip(wspec, shape)])
+
+
+def fp8_linear_frozen_from_context(x, w: Fp8Weight, w_axes, *, ctx, impl: str = "auto"):
+    """y = `fp8_linear_frozen`(x, w) with each device's tokens local: a LoRA run's frozen FP8
+    weight (q [K, N] e4m3, s [Kb, Nb] block scales) under a mesh.
+
+    As `fp8_linear_from_context` (module docstring), without the weight gradient: x [B, T, K]
+    enters `shard_map` as laid out; q enters as the preset lays out w_axes (ZeRO-3: gathered
+    whole; tensor parallel: the device's column or row shard, whole 128-wide blocks only, the
+    row-parallel partials summed by `psum` over `tensor`) and s as the matching shard of its
+    block grid, so each device's GEMMs read its own blocks as stored. Any token split works (the
+    forward's and the dgrad's 1 x 128 tiles run along K or N, never across tokens).
+
+    Args:
+      x: [B, T, K] activations in the compute dtype (other ranks: `fp8_linear_frozen` on the
+        global arrays). w: `Fp8Weight` [K, N]. w_axes: w's two logical axis names.
+      ctx: the active `sharding.rules.ShardingContext` (None or a 1-device mesh: plain
+        `fp8_linear_frozen`). impl: its backend ("auto" | "reference" | "mosaic").
+    Returns:
+      [B, T, N] in x.dtype, B and T laid out as x, N over `tensor` for a column-parallel w.
+      Differentiable in x (w is frozen).
+    Raises:
+      ValueError: as `fp8_linear_frozen`.
+    """
+    backend = fp8_api.resolve_impl(impl)
+    if (ctx is None or ctx.mesh.size == 1 or x.ndim != 3 or not isinstance(w, Fp8Weight)
+            or w.ndim != 2 or x.shape[2] != w.shape[0]):
+        return fp8_linear_frozen(x, w, impl=backend)  # (raises its error on bad shapes)
+    mesh = ctx.mesh
+    tok = ctx.spec(("batch", "seq", None), x.shape, strict=False)
+    wspec = _weight_spec(ctx, w_axes, w.shape)
+    ka = _axes(wspec[0])
+    if not (_axes(tok[0]) or _axes(tok[1]) or ka or _axes(wspec[1])):
+        return fp8_linear_frozen(x, w, impl=backend)
+
+    def body(x, q, s):
+        y = fp8_linear_frozen(x, Fp8Weight(q, s), impl=backend)  # [Bl, Tl, Kl] -> [Bl, Tl, Nl]
+        return jax.lax.psum(y, ka) if ka else y
+
+    # check_vma=False as in `fp8_linear_from_context`
+    fn = jax.shard_map(body, mesh=mesh, in_specs=(P(tok[0], tok[1], wspec[0]), wspec, wspec),
+                       out_specs=P(tok[0], tok[1], wspec[1]), check_vma=False)
+    return fn(x, w.q, w.s)
+

@@ -21,10 +21,10 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.rope import apply_rope
 from pallas_kernels.flash_attention import flash_attention
-from pallas_kernels.fp8.frozen import Fp8Weight, fp8_linear_frozen
+from pallas_kernels.fp8.frozen import Fp8Weight
 from pallas_kernels.moe import swiglu
 from sharding import rules as shr
-from sharding.fp8_linear import fp8_linear_from_context
+from sharding.fp8_linear import fp8_linear_from_context, fp8_linear_frozen_from_context
 from sharding.ring_attention import context_attention, local_attention
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -44,7 +44,8 @@ class Linear(nnx.Module):
     (`sharding.fp8_linear.fp8_linear_from_context`, by the kernel's logical `axes`). The bias and
     a LoRA adapter stay in the compute dtype. A kernel that is a frozen `Fp8Weight` (E4M3 values
     and 128 x 128 scales, e.g. DeepSeek-V3's checkpoint loaded as it ships) is used as stored:
-    `pallas_kernels.fp8.frozen.fp8_linear_frozen` (forward and dgrad, no wgrad)."""
+    `pallas_kernels.fp8.frozen.fp8_linear_frozen` (forward and dgrad, no wgrad), under a mesh on
+    each device's tokens and weight shard (`sharding.fp8_linear.fp8_linear_frozen_from_context`)."""
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, *, rngs: nnx.Rngs,
                  bias: bool = False, fp8: bool = True):
@@ -60,7 +61,7 @@ class Linear(nnx.Module):
     def __call__(self, x):
         kernel = self.kernel[...]
         if isinstance(kernel, Fp8Weight):
-            y = fp8_linear_frozen(x.astype(self.dtype), kernel)
+            y = fp8_linear_frozen_from_context(x.astype(self.dtype), kernel, self.axes, ctx=shr.current())
         elif self.fp8:
             y = fp8_linear_from_context(x.astype(self.dtype), kernel, self.axes, ctx=shr.current())
         else:

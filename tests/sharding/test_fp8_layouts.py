@@ -26,7 +26,8 @@ from jax.sharding import PartitionSpec as P
 from pallas_kernels.fp8 import api as fp8_api
 from pallas_kernels.fp8 import reference as R
 from sharding import rules as shr
-from sharding.fp8_linear import fp8_linear_from_context, tiles_align
+from pallas_kernels.fp8.frozen import Fp8Weight, fp8_linear_frozen
+from sharding.fp8_linear import fp8_linear_from_context, fp8_linear_frozen_from_context, tiles_align
 from sharding.mesh import make_mesh
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -93,6 +94,51 @@ def test_sharded_fp8_linear_matches_one_device(preset):  # presets: fsdp; the re
             assert a.shape == b.shape
             assert _rel(a, b) < 1e-5, (preset, axes, name, _rel(a, b))
             assert 0.01 < _rel(b, e) < 0.05  # it is FP8: far from fp32, which the 1e-5 would miss
+
+
+@pytest.mark.parametrize("preset", ["fsdp", "all"])
+def test_sharded_frozen_fp8_linear_matches_one_device(preset):
+    """A LoRA run's frozen FP8 weight (q e4m3 + 128 x 128 scales, as DeepSeek-V3 ships) under the
+    token-only split (fsdp) and under expert x tensor x context ("all": column and row shards of
+    q with their scale blocks): y and dx inside shard_map equal `fp8_linear_frozen` on one
+    device to fp32 rounding."""
+    mesh = _mesh(PRESETS[preset])
+    ctx = shr.ShardingContext(mesh, shr.get_rules(preset))
+    ks = jax.random.split(jax.random.key(7), 4)
+    x = jax.random.normal(ks[0], (8, 256, 256))
+    x = jax.device_put(x, ctx.sharding(("batch", "seq", None), x.shape, strict=False))
+    xh = jnp.asarray(np.asarray(x))
+    for axes, n in ((("embed", "mlp"), 512), (("mlp", "embed"), 128)):
+        w = Fp8Weight(*R.quantize_blocks_128x128(jax.random.normal(ks[1], (256, n)) * 0.05))
+        r = jax.random.normal(ks[2], (8, 256, n))
+        ours = lambda x: fp8_linear_frozen_from_context(x, w, axes, ctx=ctx, impl="reference")  # noqa: B023,E731
+        one = lambda x: fp8_linear_frozen(x, w, impl="reference")  # noqa: B023,E731
+        assert "shard_map" in str(jax.make_jaxpr(ours)(x))
+        got = jax.jit(lambda x: (ours(x), jax.grad(lambda x: jnp.sum(ours(x) * r))(x)))(x)  # noqa: B023
+        want = (one(xh), jax.grad(lambda x: jnp.sum(one(x) * r))(xh))  # noqa: B023
+        for name, a, b in zip(("y", "dx"), got, want):
+            assert a.shape == b.shape and _rel(a, b) < 1e-5, (preset, axes, name, _rel(a, b))
+
+
+def test_frozen_mosaic_gemms_see_per_device_operands(monkeypatch):
+    """impl="mosaic" under fsdp=2 x tensor=2 ("tp"): a row-parallel frozen weight [256, 128] has
+    each device's 2 x 128 tokens and its K shard of 128 with one row of scale blocks; the
+    traced kernels are recorded, not run."""
+    seen = []
+
+    def rec(a_q, a_s, b_q, b_s, **kw):
+        seen.append((tuple(a_q.shape), tuple(b_q.shape), tuple(b_s.shape)))
+        return jnp.zeros((a_q.shape[0], b_q.shape[0]), kw.get("out_dtype", jnp.float32))
+    monkeypatch.setattr(fp8_api.mosaic_gemm, "fp8_gemm_blockwise", rec)
+    mesh = _mesh(dict(fsdp=2, tensor=2))
+    ctx = shr.ShardingContext(mesh, shr.get_rules("tp"))
+    w = Fp8Weight(*R.quantize_blocks_128x128(jnp.ones((256, 128))))
+    x = jnp.ones((4, 64, 256), jnp.bfloat16)
+    f = lambda x: fp8_linear_frozen_from_context(x, w, ("mlp", "embed"), ctx=ctx, impl="mosaic")  # noqa: E731
+    jax.jit(jax.grad(lambda x: jnp.sum(f(x).astype(jnp.float32)))).trace(x)
+    # forward: x [2 x 64 tokens, K shard 128] against w^T [N 128, K 128], scales [1, 1]; dgrad:
+    # dy [128, N 128] against the same blocks as stored [K 128, N 128]
+    assert ((128, 128), (128, 128), (1, 1)) in seen and len(seen) == 2, seen
 
 
 def test_split_tiles_fall_back_to_the_global_gemm():
