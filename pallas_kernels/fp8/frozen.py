@@ -23,9 +23,9 @@ GEMMs (custom VJP; the weight is not trained, so the backward is dgrad only, no 
                                   transposed). Residuals: nothing but w itself.
   `fp8_grouped_gemm_frozen(x, w, group_sizes)`  the same per expert, w [E, K, N], rows grouped
                                   consecutively by group_sizes (`pallas_kernels.moe` layout).
-Backends: `api.gemm_nt` runs every dense FP8 GEMM here ("reference": dequantise per block and
-dot in fp32 at full precision; "mosaic": the Hopper kernel). The grouped GEMMs run the reference
-on every backend.
+Backends: `api.gemm_nt` runs every dense FP8 GEMM here and `api._grouped_gemm_nt` the grouped
+ones ("reference": dequantise per block and dot in fp32 at full precision; "mosaic": the Hopper
+kernels).
 """
 from __future__ import annotations
 
@@ -168,9 +168,9 @@ def _check(w, ndim: int, where: str) -> None:
 
 # ----------------------------------------------------------------------------- grouped (MoE)
 
-@jax.custom_vjp
-def _frozen_gmm(x, q, s, group_sizes):
-    return _frozen_gmm_fwd(x, q, s, group_sizes)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _frozen_gmm(x, q, s, group_sizes, backend):
+    return _frozen_gmm_fwd(x, q, s, group_sizes, backend)[0]
 
 
 def _grouped(a_q, a_s, w, group_sizes):
@@ -179,16 +179,23 @@ def _grouped(a_q, a_s, w, group_sizes):
                                         preferred_element_type=jnp.float32)
 
 
-def _frozen_gmm_fwd(x, q, s, group_sizes):
+def _frozen_gmm_fwd(x, q, s, group_sizes, backend):
     x_q, x_s = ref.quantize_rows_1x128(x)
-    y = _grouped(x_q, x_s, Fp8Weight(q, s).dequantize(), group_sizes)
-    return y.astype(x.dtype), (q, s, group_sizes, x[:0])
+    if backend == "mosaic":  # b = each expert's w^T [N, K], K-major: the stored blocks transposed
+        y = fp8_api._grouped_gemm_nt(backend, x_q, x_s, jnp.swapaxes(q, 1, 2), jnp.swapaxes(s, 1, 2),
+                                     group_sizes, x.dtype)
+    else:
+        y = _grouped(x_q, x_s, Fp8Weight(q, s).dequantize(), group_sizes).astype(x.dtype)
+    return y, (q, s, group_sizes, x[:0])
 
 
-def _frozen_gmm_bwd(res, dy):
+def _frozen_gmm_bwd(backend, res, dy):
     q, s, group_sizes, x_meta = res
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
-    dx = _grouped(dy_q, dy_s, jnp.swapaxes(Fp8Weight(q, s).dequantize(), 1, 2), group_sizes)
+    if backend == "mosaic":  # b = w [K, N] as stored: K the output, N the contraction
+        dx = fp8_api._grouped_gemm_nt(backend, dy_q, dy_s, q, s, group_sizes, x_meta.dtype)
+    else:
+        dx = _grouped(dy_q, dy_s, jnp.swapaxes(Fp8Weight(q, s).dequantize(), 1, 2), group_sizes)
     return dx.astype(x_meta.dtype), None, None, None
 
 
@@ -201,7 +208,10 @@ def fp8_grouped_gemm_frozen(x, w: Fp8Weight, group_sizes, *, impl: str = "auto")
     Args:
       x: [M, K] in the compute dtype, rows sorted by expert; w: `Fp8Weight` q [E, K, N],
         s [E, Kb, Nb]; group_sizes: [E] int, sum <= M (rows past the sum give zeros).
-      impl: "auto" | "reference" | "mosaic"; all run the reference today.
+      impl: "auto" | "reference" | "mosaic" (`api.resolve_impl`): "mosaic" runs the grouped
+        Mosaic GPU kernel (`mosaic_gemm.fp8_gmm_blockwise`) on the stored blocks, transposed
+        for the forward ([E, N, K], an fp8 copy) and as stored for the dgrad; "reference"
+        dequantises each expert's blocks and runs the grouped reference in fp32.
     Returns:
       [M, N] in x.dtype. Differentiable in x only (dy in 1 x 128 tiles times each expert's
       blocks transposed); w and group_sizes get none.
@@ -212,9 +222,7 @@ def fp8_grouped_gemm_frozen(x, w: Fp8Weight, group_sizes, *, impl: str = "auto")
     if x.ndim != 2 or x.shape[1] != w.shape[1] or group_sizes.shape != (w.shape[0],):
         raise ValueError(f"fp8_grouped_gemm_frozen: x {list(x.shape)}, w {list(w.shape)}, group_sizes "
                          f"{list(group_sizes.shape)} do not fit (want x [M, K], w [E, K, N], [E])")
-    if impl not in fp8_api.IMPLS:
-        raise ValueError(f"fp8: impl={impl!r}: expected one of {', '.join(fp8_api.IMPLS)}")
-    return _frozen_gmm(x, w.q, w.s, group_sizes.astype(jnp.int32))
+    return _frozen_gmm(x, w.q, w.s, group_sizes.astype(jnp.int32), fp8_api.resolve_impl(impl))
 
 
 def grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
