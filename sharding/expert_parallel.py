@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.fp8 import frozen as fp8_frozen
+from pallas_kernels.fp8.api import fp8_swiglu
 from pallas_kernels.moe import (grouped_lora_matmuls, lora_dropout,
                                 permute, sorted_weights, swiglu, unpermute_sum)
 
@@ -97,7 +98,8 @@ def _local_experts(x, ids, weights, w_gate, w_up, w_down, *, axis, mlp_axes, imp
     g, u = grouped_lora_matmuls(xs, (cast(w_gate), cast(w_up)), pairs[:2], gs,
                                 scale=s, impl=impl, x_adapter=lora_dropout(xs, rate, keys[0]), base_gemm=base)
     w_rows = sorted_weights(w, perm)  # 0 for rows routed elsewhere
-    h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
+    # FP8: the SwiGLU input kept for the backward in E4M3 (`fp8_swiglu`)
+    h = (fp8_swiglu if fp8 else swiglu)(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
     y, = grouped_lora_matmuls(h, (cast(w_down),), pairs[2:], gs, scale=s, impl=impl,
                               x_adapter=lora_dropout(h, rate, keys[2]), base_gemm=base)
     return unpermute_sum(y, perm, ids.shape[1], impl=impl).astype(jnp.float32)

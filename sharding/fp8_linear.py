@@ -73,7 +73,7 @@ def tiles_align(shape, batch_axes, seq_axes, mesh) -> bool:
     return (b * t) % TILE == 0
 
 
-def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto"):
+def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto", requantize_weight: bool = False):
     """y = `fp8_linear`(x, w) with each device's tokens local (module docstring).
 
     Args:
@@ -85,6 +85,8 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto"):
       ctx: the active `sharding.rules.ShardingContext` (None or a 1-device mesh: plain
         `fp8_linear`).
       impl: `fp8_linear`'s backend ("auto" | "reference" | "mosaic").
+      requantize_weight: `fp8_linear`'s, where w enters it as given (one device, or nothing
+        split); inside `shard_map` w may be a gathered copy, so its E4M3 copy is kept there.
     Returns:
       [B, T, N] in x.dtype, B and T laid out as x, N over `tensor` for a column-parallel w.
       Differentiable in x and w as `fp8_linear`.
@@ -93,14 +95,15 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto"):
     """
     backend = fp8_api.resolve_impl(impl)
     if ctx is None or ctx.mesh.size == 1 or x.ndim != 3 or w.ndim != 2 or x.shape[2] != w.shape[0]:
-        return fp8_api.fp8_linear(x, w, impl=backend)  # (raises its error on bad shapes)
+        # (raises its error on bad shapes)
+        return fp8_api.fp8_linear(x, w, impl=backend, requantize_weight=requantize_weight)
     mesh = ctx.mesh
     tok = ctx.spec(("batch", "seq", None), x.shape, strict=False)
     ba, sa = _axes(tok[0]), _axes(tok[1])
     wspec = _weight_spec(ctx, w_axes, w.shape)
     ka, na = _axes(wspec[0]), _axes(wspec[1])
     if not (ba or sa or ka or na):  # nothing split: every device computes the whole GEMM
-        return fp8_api.fp8_linear(x, w, impl=backend)
+        return fp8_api.fp8_linear(x, w, impl=backend, requantize_weight=requantize_weight)
     if not tiles_align(x.shape, ba, sa, mesh):
         if backend == "mosaic":
             warnings.warn(f"fp8_linear: x {list(x.shape)} over mesh {dict(mesh.shape)}: a device's "

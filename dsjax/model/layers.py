@@ -56,6 +56,9 @@ class Linear(nnx.Module):
         self.dtype = dtype_of(cfg.dtype)
         self.lora = None  # a `dsjax.model.lora.LoraAdapter` when fine-tuned with LoRA
         self.fp8 = fp8 and cfg.fp8 == "blockwise"
+        # unrolled layers: the kernel is a slice of its parameter stack, alive through the
+        # backward, which quantises it again instead of holding the forward's E4M3 copy
+        self.fp8_requantize = self.fp8 and not cfg.scan_layers
         self.axes = tuple(axes)
 
     def __call__(self, x):
@@ -63,7 +66,8 @@ class Linear(nnx.Module):
         if isinstance(kernel, Fp8Weight):
             y = fp8_linear_frozen_from_context(x.astype(self.dtype), kernel, self.axes, ctx=shr.current())
         elif self.fp8:
-            y = fp8_linear_from_context(x.astype(self.dtype), kernel, self.axes, ctx=shr.current())
+            y = fp8_linear_from_context(x.astype(self.dtype), kernel, self.axes, ctx=shr.current(),
+                                        requantize_weight=self.fp8_requantize)
         else:
             y = jnp.dot(x.astype(self.dtype), self.kernel[...].astype(self.dtype))
         if self.bias is not None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import math
 import threading
 
@@ -144,7 +145,7 @@ class ExpertsLora(nnx.Module):
 
 
 def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: float = 0.0,
-                   in_stacks=None, dw_sinks=None, fp8: bool = False):
+                   in_stacks=None, dw_sinks=None, fp8: bool = False, fp8_requantize: bool = False):
     """Routed-expert projections of the same rows, each with its adapter: x [M, Din] rows sorted
     by expert, ws (w [E, Din, N_i], ...), pairs ((A [E, Din, r], B [E, r, N_i]) or None, ...) ->
     tuple of [M, N_i] in x.dtype. The adapters share one dropout mask of x (as PEFT's adapter
@@ -152,11 +153,15 @@ def expert_matmuls(x, ws, pairs, group_sizes, scale: float, impl: str, rate: flo
     GEMM (`grouped_lora_matmuls`); every GEMM is grouped over the same `group_sizes` [E].
     in_stacks: None, or per w None or (stack, i) with w = stack[i], read in place
     (`grouped_matmul(in_stack=...)`); dw_sinks: None, or per w None or (ref, row)
-    (`grouped_matmul(dw_sink=...)`); fp8: the base GEMMs in FP8 (`grouped_lora_matmuls`)."""
+    (`grouped_matmul(dw_sink=...)`); fp8: the base GEMMs in FP8 (`grouped_lora_matmuls`);
+    fp8_requantize: their weights quantised again in the backward
+    (`pallas_kernels.fp8.fp8_grouped_gemm(requantize_weight=...)`)."""
     live = any(p is not None for p in pairs)
+    base = (functools.partial(fp8_frozen.grouped_gemm, requantize_weight=fp8_requantize)
+            if fp8 else None)
     return grouped_lora_matmuls(x, ws, pairs, group_sizes, scale=scale, impl=impl,
                                 x_adapter=_dropout(x, rate) if live else None, in_stacks=in_stacks,
-                                dw_sinks=dw_sinks, base_gemm=fp8_frozen.grouped_gemm if fp8 else None)
+                                dw_sinks=dw_sinks, base_gemm=base)
 
 
 # ----------------------------------------------------------------------------- attach

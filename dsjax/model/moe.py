@@ -23,6 +23,7 @@ from flax import nnx
 from dsjax.config import ModelConfig
 from dsjax.model.layers import MLP, dtype_of
 from dsjax.model.lora import dropout_key_data, expert_matmuls
+from pallas_kernels.fp8.api import fp8_swiglu
 from pallas_kernels.moe import permute, sorted_weights, swiglu, unpermute_sum
 from sharding import rules as shr
 from sharding.expert_parallel import moe_from_context, with_recompute
@@ -200,6 +201,10 @@ class MoE(nnx.Module):
             rate = self.experts.rate()
 
         fp8 = c.fp8 == "blockwise"  # quantised from the weights themselves, not a cast copy
+        # unrolled layers: each w is a slice of its parameter stack, alive through the backward,
+        # which quantises it again instead of holding the forward's E4M3 copy; a scanned layer's
+        # w would be stacked whole as a residual
+        requant = fp8 and not c.scan_layers
         ws = tuple(getattr(self, p)[...] if fp8 else getattr(self, p)[...].astype(dt) for p in EXPERT_PROJS)
         # the FP8 GEMMs read no stacks in place (each layer's weights are quantised, a read of
         # the stack's slice); their weight gradients go to the sinks as the others' do
@@ -207,11 +212,12 @@ class MoE(nnx.Module):
         sinks = tuple(_dw_sink(p, c.n_routed_experts) if fp8 or st is not None else None
                       for p, st in zip(EXPERT_PROJS, in_stacks))
         g, u = expert_matmuls(xs, ws[:2], pairs[:2], group_sizes, s, c.moe_impl, rate, in_stacks[:2],
-                              sinks[:2], fp8=fp8)
+                              sinks[:2], fp8=fp8, fp8_requantize=requant)
         w_rows = sorted_weights(weights, perm)
-        h = swiglu(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
+        # FP8: the SwiGLU input kept for the backward in E4M3 (`fp8_swiglu`)
+        h = (fp8_swiglu if fp8 else swiglu)(checkpoint_name(g, "moe_gate"), checkpoint_name(u, "moe_up"), w_rows)
         y, = expert_matmuls(h, ws[2:], pairs[2:], group_sizes, s, c.moe_impl, rate, in_stacks[2:],
-                            sinks[2:], fp8=fp8)
+                            sinks[2:], fp8=fp8, fp8_requantize=requant)
         return unpermute_sum(y, perm, c.num_experts_per_tok, impl=c.moe_impl)
 
     def __call__(self, x, token_mask):

@@ -43,7 +43,9 @@ Backends (`impl`):
                operands by its 128 x 1 half, on the group-padded copy. The weights (dense and
                experts) by its block mode (`quantize.quantize_blocks_dual`): one read of w,
                its blocks written as stored (the dgrad's, kept for the backward) and
-               transposed (the forward's), padded. The grouped forward / dgrad activation
+               transposed (the forward's), padded; `requantize_weight=True` writes only
+               the forward's (`quantize.quantize_blocks`) and quantises w again
+               in the backward for the dgrad. The grouped forward / dgrad activation
                operands are quantised in XLA (reference.py).
   "auto":      "mosaic" on a Hopper GPU, else "reference".
 """
@@ -59,6 +61,7 @@ from pallas_kernels.fp8 import mosaic_gemm, mosaic_grouped_wgrad, mosaic_wgrad, 
 from pallas_kernels.fp8 import reference as ref
 from pallas_kernels.moe.api import check_dw_sink, store_dw
 from pallas_kernels.moe.reference import grouped_matmul_reference
+from pallas_kernels.moe.routing import swiglu_grads, swiglu_value
 
 IMPLS = ("auto", "reference", "mosaic")
 
@@ -114,9 +117,10 @@ def _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, out_dtype):
     if backend == "mosaic":
         k, n = xt_q.shape[0], dyt_q.shape[0]
         ap, bp = ref._pad_to(xt_q, 1), _pad2(dyt_q)  # K rows: padded inside the kernel
+        # the fp32 sums cast to out_dtype in the kernel's epilogue (no fp32 [K, N] written)
         out = mosaic_wgrad.fp8_gemm_1d1d(ap, xt_s, bp, _one_pad(dyt_s, bp.shape[0], dyt_s.shape[1]),
-                                         out_dtype=jnp.float32)
-        return out[:k, :n].astype(out_dtype)
+                                         out_dtype=out_dtype)
+        return out[:k, :n]
     xt = ref.dequantize_rows_1x128(xt_q, xt_s)
     dyt = ref.dequantize_rows_1x128(dyt_q, dyt_s)
     return _dot32(xt, dyt.T).astype(out_dtype)
@@ -134,9 +138,9 @@ def _in_order(backend, *xs):
 
 # ----------------------------------------------------------------------------- dense
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
-def _fp8_matmul(x, w, backend):
-    return _fp8_matmul_fwd(x, w, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _fp8_matmul(x, w, backend, requant):
+    return _fp8_matmul_fwd(x, w, backend, requant)[0]
 
 
 def _quantize_both(backend, x):
@@ -161,16 +165,31 @@ def _quantize_weight(backend, w):
     return w_q, w_s, jnp.swapaxes(w_q, -1, -2), jnp.swapaxes(w_s, -1, -2)
 
 
-def _fp8_matmul_fwd(x, w, backend):
+def _quantize_weight_one(backend, w, transposed: bool):
+    """One layout of `_quantize_weight`: (w_q, w_s) as stored (transposed=False) or (wt_q, wt_s)
+    (True), "mosaic" by `quantize.quantize_blocks` (half the writes). Bitwise the same values."""
+    if backend == "mosaic":
+        return quantize.quantize_blocks(w, transposed=transposed)
+    q, s = ref.quantize_blocks_128x128(w) if w.ndim == 2 else _quantize_experts(w)
+    return (jnp.swapaxes(q, -1, -2), jnp.swapaxes(s, -1, -2)) if transposed else (q, s)
+
+
+def _fp8_matmul_fwd(x, w, backend, requant):
     x_q, x_s, xt_q, xt_s = _quantize_both(backend, x)  # xt: x^T [K, M], scales [K, Mb]
-    w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [K, N], [Kb, Nb]; w^T [N, K], [Nb, Kb]
+    if requant:  # the forward's copy alone; the dgrad's is quantised from w in the backward
+        wt_q, wt_s = _quantize_weight_one(backend, w, transposed=True)
+        w_q, w_s = w, None
+    else:
+        w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [K, N], [Kb, Nb]; w^T [N, K], [Nb, Kb]
     y = gemm_nt(backend, x_q, x_s, wt_q, wt_s, x.dtype)[:x.shape[0], :w.shape[1]]
     y, w_q, xt_q = _in_order(backend, y, w_q, xt_q)
     return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
 
 
-def _fp8_matmul_bwd(backend, res, dy):
+def _fp8_matmul_bwd(backend, requant, res, dy):
     xt_q, xt_s, w_q, w_s, x_meta, w_meta = res
+    if requant:  # res holds w itself
+        w_q, w_s = _quantize_weight_one(backend, w_q, transposed=False)
     dy_q, dy_s, dyt_q, dyt_s = _quantize_both(backend, dy)  # dyt: dy^T [N, M], scales [N, Mb]
     k, n = x_meta.shape[1], w_meta.shape[1]
     # dy [M, N] @ (w [K, N])^T; with padded (mosaic) dy and w, w's padded rows give dx's padded
@@ -184,7 +203,7 @@ def _fp8_matmul_bwd(backend, res, dy):
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
 
 
-def fp8_linear(x, w, *, impl: str = "auto"):
+def fp8_linear(x, w, *, impl: str = "auto", requantize_weight: bool = False):
     """y = x @ w with all three GEMMs (forward, dgrad, wgrad) in FP8 E4M3, block-scaled.
 
     Args:
@@ -193,6 +212,9 @@ def fp8_linear(x, w, *, impl: str = "auto"):
         float32 / bfloat16 / float16) (the master weight; it is quantised from its own values,
         not from a cast copy).
       impl: "auto" | "reference" | "mosaic" (module docstring).
+      requantize_weight: False: the dgrad's E4M3 copy of w and its scales are kept from the
+        forward for the backward; True: w itself is kept and quantised again in the backward
+        (as `fp8_grouped_gemm`'s: for a w that stays alive anyway, a parameter or its slice).
     Returns:
       [..., N] in x.dtype. Differentiable in x (gradient in x.dtype) and w (gradient in
       w.dtype); the three GEMMs quantise as DeepSeek-V3 sec. 3.3 (module docstring).
@@ -204,7 +226,7 @@ def fp8_linear(x, w, *, impl: str = "auto"):
                          f"(want x [..., K], w [K, N])")
     backend = resolve_impl(impl)
     lead = x.shape[:-1]
-    y = _fp8_matmul(x.reshape(-1, x.shape[-1]), w, backend)
+    y = _fp8_matmul(x.reshape(-1, x.shape[-1]), w, backend, bool(requantize_weight))
     return y.reshape(*lead, w.shape[1])
 
 
@@ -283,14 +305,18 @@ def _sunk_marker(backend, sink, dx):
     return _in_order(backend, dx, dw_ref[row, 0, 0])[0]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
-def _fp8_gmm(x, w, group_sizes, backend):
-    return _fp8_gmm_fwd(x, w, group_sizes, backend)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fp8_gmm(x, w, group_sizes, backend, requant):
+    return _fp8_gmm_fwd(x, w, group_sizes, backend, requant)[0]
 
 
-def _fp8_gmm_fwd(x, w, group_sizes, backend):
+def _fp8_gmm_fwd(x, w, group_sizes, backend, requant):
     x_q, x_s = ref.quantize_rows_1x128(x)
-    w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [E, K, N], [E, Kb, Nb]; transposed
+    if requant:  # the forward's copy alone; the dgrad's is quantised from w in the backward
+        wt_q, wt_s = _quantize_weight_one(backend, w, transposed=True)
+        w_q, w_s = w, None
+    else:
+        w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [E, K, N], [E, Kb, Nb]; transposed
     # forward: b = w_e^T [N, K] per expert (K-major, the transposed fp8 copy; a block's scale
     # is its transpose's)
     y = _grouped_gemm_nt(backend, x_q, x_s, wt_q, wt_s, group_sizes, x.dtype)[:, :w.shape[2]]
@@ -299,8 +325,10 @@ def _fp8_gmm_fwd(x, w, group_sizes, backend):
     return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
 
 
-def _fp8_gmm_bwd(backend, res, dy, sink=None):
+def _fp8_gmm_bwd(backend, requant, res, dy, sink=None):
     xt_q, xt_s, w_q, w_s, group_sizes, x_meta, w_meta = res
+    if requant:  # res holds w itself
+        w_q, w_s = _quantize_weight_one(backend, w_q, transposed=False)
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
     # dgrad: dx = dy @ w_e^T, i.e. b = w_e [K, N] as stored (K the output, N the contraction)
     dx = _grouped_gemm_nt(backend, dy_q, dy_s, w_q, w_s, group_sizes, x_meta.dtype)
@@ -321,13 +349,14 @@ _fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
 def _fp8_gmm_sinking(sink):
     """`_fp8_gmm` whose weight gradient is written into sink = (ref, row[, sq])
     (`_grouped_wgrad_into`)."""
-    f = jax.custom_vjp(lambda x, w, group_sizes, backend: _fp8_gmm_fwd(x, w, group_sizes, backend)[0],
-                       nondiff_argnums=(3,))
-    f.defvjp(_fp8_gmm_fwd, lambda backend, res, dy: _fp8_gmm_bwd(backend, res, dy, sink))
+    f = jax.custom_vjp(lambda x, w, group_sizes, backend, requant:
+                       _fp8_gmm_fwd(x, w, group_sizes, backend, requant)[0], nondiff_argnums=(3, 4))
+    f.defvjp(_fp8_gmm_fwd, lambda backend, requant, res, dy: _fp8_gmm_bwd(backend, requant, res, dy, sink))
     return f
 
 
-def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
+def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None,
+                     requantize_weight: bool = False):
     """Grouped GEMM of the routed experts in FP8: out[i] = x[i] @ w[g(i)], rows grouped
     consecutively by group_sizes (the layout of `pallas_kernels.moe.grouped_matmul`).
 
@@ -343,6 +372,13 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
         `pallas_kernels.moe.dw_sq_shape(ref.shape, w.dtype)`) gets its partial sums of
         squares at the same rows. "mosaic" with K and N multiples of 128: the wgrad kernel
         writes both in place from its fp32 sums (`_grouped_wgrad_into`).
+      requantize_weight: False: the forward quantises w into both layouts (one read of w) and
+        keeps the dgrad's E4M3 copy and scales for the backward (1 byte per weight element
+        held from the forward to the backward). True: the forward writes only its own layout,
+        the backward keeps w itself and quantises it again for the dgrad (bitwise the same
+        values): no memory held, one more read of w. Pick True where w is a parameter (or a
+        slice of one) that stays alive through the backward anyway, False where it is a
+        temporary (a ZeRO-3 gather, a scanned layer's slice): keeping it would hold it whole.
     Returns:
       [M, N] in x.dtype. Differentiable in x and w (gradients in their dtypes); group_sizes
       gets none. Forward: x 1 x 128, w 128 x 128 per expert; dgrad: dy 1 x 128, w^T blocks;
@@ -355,4 +391,64 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
         raise ValueError(f"fp8_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, group_sizes "
                          f"{list(group_sizes.shape)} do not fit (want x [M, K], w [E, K, N], [E])")
     gmm = _fp8_gmm if dw_sink is None else _fp8_gmm_sinking(check_dw_sink(dw_sink, w))
-    return gmm(x, w, group_sizes.astype(jnp.int32), resolve_impl(impl))
+    return gmm(x, w, group_sizes.astype(jnp.int32), resolve_impl(impl), bool(requantize_weight))
+
+
+# ----------------------------------------------------------------------------- SwiGLU
+
+def _rows(t):
+    return t.reshape(-1, t.shape[-1])
+
+
+@jax.custom_vjp
+def _swiglu_fp8(g, u, w):
+    return swiglu_value(g, u, w)
+
+
+def _swiglu_fp8_fwd(g, u, w):
+    return swiglu_value(g, u, w), (ref.quantize_rows_1x128(_rows(g)), ref.quantize_rows_1x128(_rows(u)), w, g[..., :0])
+
+
+def _swiglu_fp8_bwd(res, dh):
+    (g_q, g_s), (u_q, u_s), w, g_meta = res
+    shape = g_meta.shape[:-1] + (g_q.shape[-1],)
+    g32 = ref.dequantize_rows_1x128(g_q, g_s).reshape(shape)
+    u32 = ref.dequantize_rows_1x128(u_q, u_s).reshape(shape)
+    d = dh.astype(jnp.float32)
+    if w is None:
+        dg, du, _ = swiglu_grads(g32, u32, d)
+        return dg.astype(g_meta.dtype), du.astype(g_meta.dtype), None
+    dg, du, a = swiglu_grads(g32, u32, d * w.astype(jnp.float32)[..., None])
+    return dg.astype(g_meta.dtype), du.astype(g_meta.dtype), jnp.sum(d * a, axis=-1).astype(w.dtype)
+
+
+_swiglu_fp8.defvjp(_swiglu_fp8_fwd, _swiglu_fp8_bwd)
+
+
+def fp8_swiglu(g, u, w=None):
+    """SwiGLU h = silu(g) * u (* w[..., None]) with its input kept for the backward in E4M3
+    (DeepSeek-V3 sec. 3.3.4, "Low-Precision Storage": the SwiGLU input of the MoE cached in
+    FP8 with the fine-grained quantisation).
+
+    The forward is `pallas_kernels.moe.swiglu`'s, from g and u as given (fp32 math). The
+    backward's derivatives (d/dg = dh w u s (1 + g (1 - s)), d/du = dh w silu(g), d/dw =
+    sum dh silu(g) u, s = sigmoid(g)) take g and u as their 1 x 128 tiles quantised to E4M3
+    (`reference.quantize_rows_1x128`, scales per token and 128 channels), which the forward
+    keeps instead of g and u: 1 byte per element plus 4 per 128 (half of bf16's). Those
+    gradients then feed the gate and up projections' FP8 dgrad and wgrad GEMMs, which
+    quantise them again in the same tiles.
+
+    Args:
+      g, u: [..., F] gate and up projections in the compute dtype.
+      w: None, or [...] each row's weight (the routed experts' `sorted_weights`), any float
+        dtype.
+    Returns:
+      h [..., F] in g.dtype. Differentiable in g, u (gradients in g's dtype) and w.
+    Raises:
+      ValueError: g and u of different shapes, or w not g's leading shape.
+    """
+    if g.ndim < 1 or g.shape != u.shape or (w is not None and w.shape != g.shape[:-1]):
+        raise ValueError(f"fp8_swiglu: g {list(g.shape)}, u {list(u.shape)}, w "
+                         f"{None if w is None else list(w.shape)} do not fit (want g, u [..., F], "
+                         f"w None or [...])")
+    return _swiglu_fp8(g, u, w)

@@ -225,12 +225,13 @@ def fp8_grouped_gemm_frozen(x, w: Fp8Weight, group_sizes, *, impl: str = "auto")
     return _frozen_gmm(x, w.q, w.s, group_sizes.astype(jnp.int32), fp8_api.resolve_impl(impl))
 
 
-def grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
+def grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None,
+                 requantize_weight: bool = False):
     """The routed experts' FP8 GEMM for a weight of either kind: `fp8_grouped_gemm_frozen` for a
     frozen `Fp8Weight` (its stored values and scales), `api.fp8_grouped_gemm` (quantised online,
-    differentiable in w; dw_sink: its weight gradient written into a ref, as there) for an array
-    w [E, K, N]. x [M, K] rows grouped by group_sizes [E]; returns [M, N] in x.dtype
-    (`grouped_lora_matmuls(base_gemm=...)`).
+    differentiable in w; dw_sink: its weight gradient written into a ref, requantize_weight:
+    w quantised again in the backward, both as there) for an array w [E, K, N]. x [M, K] rows
+    grouped by group_sizes [E]; returns [M, N] in x.dtype (`grouped_lora_matmuls(base_gemm=...)`).
 
     Raises:
       ValueError: as `api.fp8_grouped_gemm`; a dw_sink with a frozen `Fp8Weight` (no gradient).
@@ -239,4 +240,5 @@ def grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None):
         if dw_sink is not None:
             raise ValueError("grouped_gemm: a frozen Fp8Weight has no gradient to write into dw_sink")
         return fp8_grouped_gemm_frozen(x, w, group_sizes, impl=impl)
-    return fp8_api.fp8_grouped_gemm(x, w, group_sizes, impl=impl, dw_sink=dw_sink)
+    return fp8_api.fp8_grouped_gemm(x, w, group_sizes, impl=impl, dw_sink=dw_sink,
+                                    requantize_weight=requantize_weight)

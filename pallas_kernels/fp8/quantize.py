@@ -101,7 +101,7 @@ def _clipped(x, inv_scale):
     return jnp.clip(x * inv_scale, -E4M3_MAX, E4M3_MAX)
 
 
-MODES = ("dual", "cols", "blocks", "grouped")
+MODES = ("dual", "cols", "blocks", "blocks_stored", "blocks_t", "grouped")
 
 
 def _call(x, mode: str, table=None, num_groups: int = 0):
@@ -112,6 +112,7 @@ def _call(x, mode: str, table=None, num_groups: int = 0):
       "cols":    (qt, st) alone;
       "blocks":  (q [Mp, Kp], s [Mb, Kb], qt [Kp, Mp], st [Kb, Mb]): 128 x 128 blocks, both
                  layouts of the same values, the block scales and their transpose;
+      "blocks_stored", "blocks_t": the first pair (as stored) or the second (transposed) alone;
       "grouped": (qt [Kp, 128 T], st [T, Kp]) as "cols" of the group-padded copy of x, from
                  table [4, T] (`reference.group_tile_table`, num_groups = E): CTA row t reads
                  x's rows [row0, row0 + 128) and zeroes those outside [lo, hi) (all of them in
@@ -123,11 +124,15 @@ def _call(x, mode: str, table=None, num_groups: int = 0):
     mp, kp = mb * BLOCK, kb * BLOCK
     x_tr = transforms(_swizzle_bytes(k * x.dtype.itemsize), x.dtype)
     q_tr = transforms(BLOCK, FP8)
-    rows, blocks, grouped = mode in ("dual", "blocks"), mode == "blocks", mode == "grouped"
+    blocks, grouped = mode.startswith("blocks"), mode == "grouped"
+    rows = mode in ("dual", "blocks", "blocks_stored")  # writes the tile as stored
+    cols = mode != "blocks_stored"  # writes the transposed tile
 
     def kernel(*refs):
         table_ref, (x_ref, *out_refs) = (refs[0], refs[1:]) if grouped else (None, refs)
-        (q_ref, s_ref, qt_ref, st_ref) = out_refs if rows else [None, None] + out_refs
+        it = iter(out_refs)
+        q_ref, s_ref = (next(it), next(it)) if rows else (None, None)
+        qt_ref, st_ref = (next(it), next(it)) if cols else (None, None)
 
         def scoped(x_smem, q_smem, qt_smem, s_smem, st_smem, bar):
             g = (lax.axis_index("e"),) if lead else ()
@@ -150,8 +155,8 @@ def _call(x, mode: str, table=None, num_groups: int = 0):
             else:
                 s_col = _scale(col_max)  # 128 x 1 tiles
                 q_col = _clipped(xt, lax.broadcast_in_dim(1.0 / s_col, xt.shape, [1]))
-            # x^T's tile: permuted within lane pairs, stored through the transposed view
-            qt_smem.T[...] = plgpu.layout_cast(q_col, plgpu.Layout.WGMMA_TRANSPOSED).astype(FP8)
+            if cols:  # x^T's tile: permuted within lane pairs, stored through the transposed view
+                qt_smem.T[...] = plgpu.layout_cast(q_col, plgpu.Layout.WGMMA_TRANSPOSED).astype(FP8)
             if mode == "dual":
                 s_row = _scale(jnp.max(ax, axis=1))  # [128] per row: 1 x 128 tiles
                 q_row = _clipped(xt, lax.broadcast_in_dim(1.0 / s_row, xt.shape, [0]))
@@ -161,14 +166,17 @@ def _call(x, mode: str, table=None, num_groups: int = 0):
             if rows:
                 q_smem[...] = q_row.astype(FP8)
             plgpu.commit_smem()
-            plgpu.copy_smem_to_gmem(
-                qt_smem, qt_ref.at[(*g, pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK))])
+            if cols:
+                plgpu.copy_smem_to_gmem(
+                    qt_smem, qt_ref.at[(*g, pl.ds(j * BLOCK, BLOCK), pl.ds(i * BLOCK, BLOCK))])
             if rows:
                 plgpu.copy_smem_to_gmem(
                     q_smem, q_ref.at[(*g, pl.ds(i * BLOCK, BLOCK), pl.ds(j * BLOCK, BLOCK))])
             if blocks:  # a scalar each: plain stores
-                s_ref[(*g, i, j)] = s_blk
-                st_ref[(*g, j, i)] = s_blk
+                if rows:
+                    s_ref[(*g, i, j)] = s_blk
+                if cols:
+                    st_ref[(*g, j, i)] = s_blk
             else:
                 plgpu.copy_smem_to_gmem(st_smem, st_ref.at[(*g, i, pl.ds(j * BLOCK, BLOCK))])
                 if rows:
@@ -187,7 +195,8 @@ def _call(x, mode: str, table=None, num_groups: int = 0):
         return jax.ShapeDtypeStruct((*lead, *shape), dtype)
 
     if blocks:
-        out_type = (out(mp, kp, dtype=FP8), out(mb, kb), out(kp, mp, dtype=FP8), out(kb, mb))
+        out_type = (((out(mp, kp, dtype=FP8), out(mb, kb)) if rows else ())
+                    + ((out(kp, mp, dtype=FP8), out(kb, mb)) if cols else ()))
     else:
         cols_out = (out(kp, mp, dtype=FP8), out(mb, kp))
         out_type = ((out(mp, kp, dtype=FP8), out(kb, mp)) if rows else ()) + cols_out
@@ -314,3 +323,27 @@ def quantize_blocks_dual(w, *, padded: bool = True):
     k, n = w.shape[-2:]
     w_q, w_s, wt_q, wt_s = outs
     return w_q[..., :k, :n], w_s, wt_q[..., :n, :k], wt_s
+
+
+def quantize_blocks(w, *, transposed: bool, padded: bool = True):
+    """One layout of `quantize_blocks_dual`: w [K, N] (or each w[e] of [E, K, N]) in 128 x 128
+    blocks, written as stored (transposed=False: the dgrad's operand) or transposed (True: the
+    forward's), from one read of w. Bitwise the matching half of `quantize_blocks_dual`, with
+    half its writes.
+
+    Args:
+      w: [K, N] or [E, K, N] bfloat16, float16 or float32; any K, N >= 1.
+      transposed: which layout to write.
+      padded: as `quantize_blocks_dual`.
+    Returns:
+      transposed=False: (w_q [.., Kp, Np] e4m3, w_s [.., Kb, Nb] fp32); True: (wt_q [.., Np, Kp],
+      wt_s [.., Nb, Kb]). Not padded: w_q [.., K, N] or wt_q [.., N, K].
+    Raises:
+      ValueError: w not 2-d or 3-d, empty, or of another dtype.
+    """
+    _check("quantize_blocks", "w", w, (2, 3), "[K, N] or [E, K, N]")
+    q, s = _padded(w, "blocks_t" if transposed else "blocks_stored")
+    if padded:
+        return q, s
+    k, n = w.shape[-2:]
+    return (q[..., :n, :k] if transposed else q[..., :k, :n]), s

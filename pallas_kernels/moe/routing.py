@@ -230,23 +230,24 @@ def unpermute_sum(y, perm, k, *, impl="auto"):
     return _sum_rows(y, perm, k, backend)
 
 
-def _swiglu_grads(g, u, da):
-    """fp32 (d/dg, d/du, silu(g) * u) of silu(g) * u for the fp32 cotangent da."""
+def swiglu_grads(g, u, da):
+    """fp32 (d/dg, d/du, silu(g) * u) of silu(g) * u for the fp32 cotangent da; g, u, da
+    [..., F] (g, u any float dtype)."""
     g32, u32 = g.astype(jnp.float32), u.astype(jnp.float32)
     sg = jax.nn.sigmoid(g32)
     silu = g32 * sg
     return da * u32 * sg * (1.0 + g32 * (1.0 - sg)), da * silu, silu * u32
 
 
-def _swiglu_value(g, u, w=None):
-    """silu(g) * u (* w[..., None]) in fp32, rounded to g.dtype."""
+def swiglu_value(g, u, w=None):
+    """silu(g) * u (* w[..., None]) in fp32, rounded to g.dtype; g, u [..., F], w None or [...]."""
     h = jax.nn.silu(g.astype(jnp.float32)) * u.astype(jnp.float32)
     return (h if w is None else h * w.astype(jnp.float32)[..., None]).astype(g.dtype)
 
 
 @jax.custom_vjp
 def _swiglu(g, u):
-    return _swiglu_value(g, u)
+    return swiglu_value(g, u)
 
 
 def _swiglu_fwd(g, u):
@@ -255,7 +256,7 @@ def _swiglu_fwd(g, u):
 
 def _swiglu_bwd(res, dh):
     g, u = res
-    dg, du, _ = _swiglu_grads(g, u, dh.astype(jnp.float32))
+    dg, du, _ = swiglu_grads(g, u, dh.astype(jnp.float32))
     return dg.astype(g.dtype), du.astype(u.dtype)
 
 
@@ -264,7 +265,7 @@ _swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 @jax.custom_vjp
 def _swiglu_weighted(g, u, w):
-    return _swiglu_value(g, u, w)
+    return swiglu_value(g, u, w)
 
 
 def _swiglu_weighted_fwd(g, u, w):
@@ -274,7 +275,7 @@ def _swiglu_weighted_fwd(g, u, w):
 def _swiglu_weighted_bwd(res, dh):
     g, u, w = res
     d = dh.astype(jnp.float32)
-    dg, du, a = _swiglu_grads(g, u, d * w.astype(jnp.float32)[..., None])
+    dg, du, a = swiglu_grads(g, u, d * w.astype(jnp.float32)[..., None])
     return dg.astype(g.dtype), du.astype(u.dtype), jnp.sum(d * a, axis=-1).astype(w.dtype)
 
 

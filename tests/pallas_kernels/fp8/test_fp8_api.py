@@ -201,3 +201,37 @@ def test_fp8_linear_mosaic_kernels_match_the_reference(m, k, n):
               f"vs fp32: mosaic {rel(a, ex):.3e}, ideal rounding {rel(b, ex):.3e}")
         assert rel(a, b) < 1e-6, (name, rel(a, b))
         assert rel(a, ex) < 0.05
+
+
+def test_fp8_swiglu_backward_reads_the_e4m3_input():
+    """fp8_swiglu: the forward is swiglu's bit for bit; the gradients are swiglu's backward at
+    the ideally rounded input (g and u in 1 x 128 E4M3 tiles, dequantised) bit for bit, within
+    E4M3's rounding (< 5 %, module docstring) of the unquantised gradients and not equal to
+    them; the backward keeps g and u as E4M3 values and per-128 scales, never bf16."""
+    from pallas_kernels.moe import swiglu
+    ks = jax.random.split(jax.random.PRNGKey(40), 4)
+    m, f = 200, 300
+    g = (jax.random.normal(ks[0], (m, f)) * 2).astype(jnp.bfloat16)
+    u = jax.random.normal(ks[1], (m, f)).astype(jnp.bfloat16)
+    w = jax.random.uniform(ks[2], (m,), minval=0.05, maxval=1.0)
+    r = jax.random.normal(ks[3], (m, f))
+
+    def loss(fn):
+        return lambda g, u, w: jnp.sum(fn(g, u, w).astype(jnp.float32) * r)
+    h, h_want = api.fp8_swiglu(g, u, w), swiglu(g, u, w)
+    assert h.dtype == jnp.bfloat16 and (np.asarray(h) == np.asarray(h_want)).all()
+    got = jax.jit(jax.grad(loss(api.fp8_swiglu), (0, 1, 2)))(g, u, w)
+    gd, ud = (R.dequantize_rows_1x128(*R.quantize_rows_1x128(t)) for t in (g, u))
+    # the same backward at the rounded input, for h's cotangent as the bf16 h receives it
+    at_ideal = jax.vjp(swiglu, gd, ud, w)[1](r.astype(jnp.bfloat16).astype(jnp.float32))
+    exact = jax.jit(jax.grad(loss(swiglu), (0, 1, 2)))(g, u, w)
+    for name, a, b, e in zip(("dg", "du", "dw"), got, at_ideal, exact):
+        assert a.dtype == e.dtype, name
+        assert (np.asarray(a) == np.asarray(b.astype(a.dtype))).all(), name
+        assert 0 < rel(a, e) < 0.05, (name, rel(a, e))
+    _, vjp = jax.vjp(api.fp8_swiglu, g, u, w)
+    leaves = [l for l in jax.tree.leaves(vjp) if hasattr(l, "dtype") and l.size > 0]
+    assert {str(l.dtype) for l in leaves} == {"float8_e4m3fn", "float32"}
+    assert sum(l.size for l in leaves if l.dtype == jnp.float8_e4m3fn) == 2 * m * f
+    with pytest.raises(ValueError, match="fp8_swiglu: g"):
+        api.fp8_swiglu(g, u[:, :128], w)

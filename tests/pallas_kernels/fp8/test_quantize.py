@@ -19,7 +19,7 @@ import pytest
 from pallas_kernels import _hopper
 from pallas_kernels.fp8 import fp8_grouped_gemm, fp8_linear, quantize
 from pallas_kernels.fp8 import reference as R
-from pallas_kernels.fp8.quantize import quantize_blocks_dual, quantize_dual
+from pallas_kernels.fp8.quantize import quantize_blocks, quantize_blocks_dual, quantize_dual
 
 
 def bits(a):
@@ -180,6 +180,25 @@ def test_blocks_padded_layout_and_scales():
     assert_blocks_bitwise((w_q[:, :300, :200], w_s, wt_q[:, :200, :300], wt_s), w)
 
 
+
+@pytest.mark.parametrize("shape,dtype", [((576, 1408), jnp.bfloat16), ((3, 200, 300), jnp.float16),
+                                         ((2, 136, 256), jnp.float32)])
+def test_one_block_layout_is_its_half_of_the_dual_kernel(shape, dtype):
+    """quantize_blocks writes one layout of quantize_blocks_dual's blocks: bitwise its half,
+    padded and not, as stored (the dgrad's) and transposed (the forward's)."""
+    w = weight(shape, dtype, seed=7 + sum(shape))
+    dual = jax.jit(quantize_blocks_dual)(w)
+    dual_sliced = jax.jit(lambda w: quantize_blocks_dual(w, padded=False))(w)
+    for transposed, half in ((False, slice(0, 2)), (True, slice(2, 4))):
+        for padded, want in ((True, dual[half]), (False, dual_sliced[half])):
+            got = jax.jit(lambda w: quantize_blocks(w, transposed=transposed, padded=padded))(w)  # noqa: B023
+            for g, wnt in zip(got, want):
+                assert g.shape == wnt.shape and g.dtype == wnt.dtype, (transposed, padded)
+                assert (bits(g) == bits(wnt)).all(), (transposed, padded)
+    with pytest.raises(ValueError, match="quantize_blocks needs w"):
+        quantize_blocks(jnp.ones((128,), jnp.bfloat16), transposed=True)
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -292,9 +311,49 @@ def test_weights_quantised_once_by_the_kernel(monkeypatch):
     assert any(l.shape == w_q.shape and (bits(l) == bits(w_q)).all() for l in res)
 
 
+
+@pytest.mark.parametrize("impl", ["reference", "mosaic"])
+def test_grouped_gemm_requantizing_the_weight_in_the_backward(impl, monkeypatch):
+    """fp8_grouped_gemm(requantize_weight=True) gives bitwise the forward and gradients of the
+    default (the dgrad's E4M3 copy of w quantised again in the backward instead of kept), and
+    its backward holds w itself, no E4M3 copy of it; "mosaic" (quantisation kernels run in
+    interpret mode, the GEMMs by the reference's promoted sums) writes one layout per call."""
+    from pallas_kernels.fp8 import api
+    monkeypatch.setattr(api.mosaic_gemm, "fp8_gmm_blockwise",
+                        lambda a_q, a_s, b_q, b_s, gs, out_dtype: R.grouped_gemm_blockwise_reference(
+                            a_q, a_s, jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2), gs,
+                            out_dtype=out_dtype))
+    keys = jax.random.split(jax.random.key(21), 3)
+    gs = jnp.array([70, 0, 130])
+    x = jax.random.normal(keys[0], (256, 200)).astype(jnp.bfloat16)
+    w = (jax.random.normal(keys[1], (3, 200, 136)) * 0.05).astype(jnp.bfloat16)
+    r = jax.random.normal(keys[2], (256, 136))
+    calls, real = [], quantize.quantize_blocks
+    monkeypatch.setattr(quantize, "quantize_blocks",
+                        lambda w, **kw: calls.append(kw["transposed"]) or real(w, **kw))
+
+    def run(requant):
+        def f(x, w):
+            y = fp8_grouped_gemm(x, w, gs, impl=impl, requantize_weight=requant)
+            return jnp.sum(y.astype(jnp.float32) * r), y
+        grad = jax.value_and_grad(f, argnums=(0, 1), has_aux=True)
+        return jax.block_until_ready(jax.jit(grad)(x, w))
+
+    kept, requant = run(False), run(True)
+    for a, b in zip(jax.tree.leaves(kept), jax.tree.leaves(requant)):
+        assert a.dtype == b.dtype and (bits(a) == bits(b)).all()
+    assert calls == ([True, False] if impl == "mosaic" else []), calls
+    for flag, fp8_held in ((False, True), (True, False)):
+        _, vjp = jax.vjp(lambda w: fp8_grouped_gemm(x, w, gs, impl=impl, requantize_weight=flag), w)  # noqa: B023
+        shapes = [l.shape for l in jax.tree.leaves(vjp) if getattr(l, "dtype", None) == jnp.float8_e4m3fn]
+        assert any(len(s_) == 3 for s_ in shapes) == fp8_held, shapes  # w_q [E, K, N]
+
+
+
 def test_lowers_for_hopper():
     """Mosaic GPU lowering (layout inference, the cross-warp column maximum, the block maximum
-    and scalar scale stores, the transposed fp8 store, every swizzle) for CUDA on this CPU;
+    and scalar scale stores, the transposed fp8 store, every swizzle; the block mode with both
+    layouts and with either alone) for CUDA on this CPU;
     fp8_linear's forward + backward runs three quantisation kernels (x, dy, w) beside its three
     GEMMs and converts nothing to fp8 in XLA."""
     S = jax.ShapeDtypeStruct
@@ -307,10 +366,11 @@ def test_lowers_for_hopper():
             assert len(re.findall(r'kernel_hash = "', text)) == 1, (shape, dtype, rows)
     for shape, dtype in (((2048, 10944), jnp.bfloat16), ((64, 2048, 1408), jnp.bfloat16),
                          ((3, 1408, 2048), jnp.float32), ((520, 200), jnp.float16)):
-        with _hopper.target_device(_H100()):
-            text = jax.jit(quantize_blocks_dual).trace(S(shape, dtype)).lower(
-                lowering_platforms=("cuda",)).as_text()
-        assert len(re.findall(r'kernel_hash = "', text)) == 1, (shape, dtype)
+        for f in (quantize_blocks_dual, functools.partial(quantize_blocks, transposed=True),
+                  functools.partial(quantize_blocks, transposed=False)):
+            with _hopper.target_device(_H100()):
+                text = jax.jit(f).trace(S(shape, dtype)).lower(lowering_platforms=("cuda",)).as_text()
+            assert len(re.findall(r'kernel_hash = "', text)) == 1, (shape, dtype)
     for shape, dtype in (((49152, 2048), jnp.bfloat16), ((300, 200), jnp.float32)):
         with _hopper.target_device(_H100()):
             text = jax.jit(quantize.quantize_grouped_cols).trace(
