@@ -6,7 +6,8 @@
     python benchmarks/generate.py --tiny     # 2 small layers, 3 steps: a CPU smoke run
 
 Modes: "absorbed" (XLA's products over the latent), "kernel" (absorbed through the split-context
-Mosaic GPU kernel, `pallas_kernels.mla_decode`; bf16 caches), "expanded" (K/V through kv_b_proj).
+Mosaic GPU kernel, `pallas_kernels.mla_decode`; bf16 and int8 caches), "expanded" (K/V through
+kv_b_proj).
 Per (batch, context, decode mode, cache dtype): one decode step (`dsjax.model.decode.decode_step`,
 jitted, cache donated) over a cache whose `context` slots per row all hold random latents, so
 every step reads the whole context (the same random latents for every cache dtype and mode);
@@ -18,7 +19,8 @@ touches on average under uniform routing (E (1 - (1 - k/E)^B)). Points that woul
 90% of the device memory left with the weights resident (the cache, plus the expanded K/V of a
 layer for `expanded`) are skipped.
 An int8 row also gives the KL divergence (nats, mean over rows) of its first step's next-token
-distribution from the bfloat16 cache's at the same point: the cost of quantising those latents.
+distribution from the bfloat16 cache's at the same point: the cost of quantising those latents;
+a "kernel" row the KL from the "absorbed" row of the same cache (the kernel checked against XLA).
 The HF transformers peer (`--hf BxS,...`, '' for none) runs DeepseekV2ForCausalLM in a
 subprocess with its static cache (full per-head K/V), eager, prefill of S - 1 random tokens,
 then greedy steps; its decode tokens/s comes from two `generate` calls (1 and 1 + steps new
@@ -138,8 +140,6 @@ def kernel_refuses(cfg, context: int, cache_dtype: str) -> str | None:
     """Why `pallas_kernels.mla_decode` would not take this model's cache (None if it does): the
     "kernel" mode would otherwise run XLA's absorbed path under the kernel's name."""
     from pallas_kernels.mla_decode import mosaic
-    if cache_dtype == "int8":
-        return "an int8 cache"
     return mosaic.supported(cfg.kv_lora_rank, cfg.qk_rope_head_dim, context, cache_dtype)
 
 
@@ -255,6 +255,9 @@ def main(argv=None) -> list:
                         base = logp.get((B, S, mode, "bfloat16"))
                         if dt != "bfloat16" and base is not None:
                             r["kl_vs_bf16"] = kl_nats(base, logp[(B, S, mode, dt)])
+                        xla = logp.get((B, S, "absorbed", dt))
+                        if mode == "kernel" and xla is not None:  # the kernel checked against XLA
+                            r["kl_vs_absorbed"] = kl_nats(xla, logp[(B, S, mode, dt)])
                     rows.append(r)
                     print(fmt(r), flush=True)
     rows += hf_rows
@@ -270,6 +273,7 @@ def fmt(r: dict) -> str:
         return f"{head} {r['error']}"
     floor = f" floor {r['floor_ms']:.2f} ms ({r['floor_ms'] / r['step_ms']:.0%} of it)" if "floor_ms" in r else ""
     kl = f" KL vs bf16 {r['kl_vs_bf16']:.2e} nats" if "kl_vs_bf16" in r else ""
+    kl += f" KL vs absorbed {r['kl_vs_absorbed']:.2e} nats" if "kl_vs_absorbed" in r else ""
     return (f"{head} {r['step_ms']:8.2f} ms/step {r['tokens_per_s']:10.1f} tok/s cache {r['cache_gb']:.3f} GB"
             + floor + kl)
 

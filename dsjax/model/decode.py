@@ -58,8 +58,8 @@ class CacheConfig:
       the training form; prefill always expands).
     kernel: absorbed decode steps attend through the split-context Mosaic GPU kernel
       (`pallas_kernels.mla_decode`, each row's latent read once) where it takes the cache (a
-      bf16 / fp16 cache of a multiple of 64 slots, kv_lora_rank a multiple of 128 up to 512);
-      False: XLA's two latent products.
+      bf16 / fp16 or int8 cache of a multiple of 64 slots, kv_lora_rank a multiple of 128 up to
+      512; int8 converted inside the kernel); False: XLA's two latent products.
     Raises ValueError (one line naming the option) on a bad value.
     """
 
@@ -223,11 +223,11 @@ def absorbed_attention(attn, q, lc, k_rope, valid, scale, kernel: bool = False):
     q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     f32 = jnp.float32
     q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=f32).astype(cdt)
-    if (kernel and q.shape[1] == 1 and valid.ndim == 2 and "c_scale" not in lc
-            and kernel_fits(q_lat, lc["c_kv"], k_rope) is None):
+    if (kernel and q.shape[1] == 1 and valid.ndim == 2
+            and kernel_fits(q_lat, lc["c_kv"], k_rope.astype(cdt)) is None):
         bias = jnp.where(valid, 0.0, -jnp.inf).astype(f32)
-        o_lat = mla_decode(q_lat[:, 0], q_rope[:, 0].astype(cdt), lc["c_kv"], k_rope, bias, scale,
-                           impl="mosaic")[:, None].astype(cdt)
+        o_lat = mla_decode(q_lat[:, 0], q_rope[:, 0].astype(cdt), lc["c_kv"], k_rope.astype(cdt), bias,
+                           scale, c_scale=lc.get("c_scale"), impl="mosaic")[:, None].astype(cdt)
         return jnp.einsum("bthc,chv->bthv", o_lat, w_uv, preferred_element_type=f32).astype(cdt)
     c_kv = lc["c_kv"].astype(cdt)  # int8 values are exact in bf16
     s_lat = jnp.einsum("bthc,bsc->bhts", q_lat, c_kv, preferred_element_type=f32)

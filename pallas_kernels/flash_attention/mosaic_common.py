@@ -277,6 +277,13 @@ def _named_bar(operation, barrier_id, num_threads):
         bar_op(jnp.asarray(barrier_id, jnp.int32))
 
 
+def named_sync(barrier_id: int, num_threads: int):
+    """Wait until `num_threads` threads (whole warpgroups, e.g. 2 x 128 for two compute
+    warpgroups) have reached hardware named barrier `barrier_id` (PTX bar.sync; runs in GPU
+    interpret mode too). Ids NAMED_BAR0 and up are free of Mosaic GPU's own."""
+    _named_bar("sync", barrier_id, num_threads)
+
+
 class Sync:
     """A kernel's "slot consumed" signals (two compute warpgroups -> the memory warpgroup) and
     the compute warpgroups' turn signals, as PTX named barriers (bar.arrive / bar.sync): hardware

@@ -16,19 +16,24 @@ import jax
 import jax.numpy as jnp
 
 
-def mla_decode_reference(q_lat, q_rope, c_kv, k_rope, bias, scale: float):
+def mla_decode_reference(q_lat, q_rope, c_kv, k_rope, bias, scale: float, c_scale=None):
     """Softmax attention of one query per row over its latent cache, fp32.
 
     Args:
       q_lat: [B, H, C], q_rope: [B, H, R]: the absorbed query (any float dtype).
-      c_kv: [B, S, C], k_rope: [B, S, R]: the cache (RoPE already applied to k_rope).
+      c_kv: [B, S, C], k_rope: [B, S, R]: the cache (RoPE already applied to k_rope); c_kv
+        may be int8 with c_scale.
       bias: [B, S] float32, 0 or -inf.
       scale: the softmax scale (1 / sqrt(qk_head_dim), YaRN-corrected).
+      c_scale: None, or [B, S] float32 per-token scales of an int8 c_kv (the latent is
+        c_kv * c_scale[..., None]).
     Returns:
       o [B, H, C] float32; a row whose every slot is masked gives zeros.
     """
     f32 = jnp.float32
     hp = jax.lax.Precision.HIGHEST
+    if c_scale is not None:
+        c_kv = c_kv.astype(f32) * c_scale[..., None]
     s = (jnp.einsum("bhc,bsc->bhs", q_lat.astype(f32), c_kv.astype(f32), precision=hp)
          + jnp.einsum("bhr,bsr->bhs", q_rope.astype(f32), k_rope.astype(f32), precision=hp))
     s = s * scale + bias[:, None, :]

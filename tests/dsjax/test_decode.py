@@ -59,23 +59,24 @@ def test_decode_steps_match_the_full_forward(model_and_stream, absorb):
 
 def test_decode_kernel_equals_the_xla_absorbed_steps():
     """CacheConfig(kernel=True): absorbed decode steps through the split-context Mosaic kernel
-    (GPU interpret mode here; a latent of 128 and RoPE keys of 64, which it takes, in bf16)
-    give the logits of XLA's absorbed steps to bf16 rounding, full cache and sinks + window."""
-    cfg = dataclasses.replace(CFG, kv_lora_rank=128, qk_rope_head_dim=64, dtype="bfloat16")
+    (GPU interpret mode here; a latent of 256 and RoPE keys of 64, which it takes, in bf16)
+    give the logits of XLA's absorbed steps to bf16 rounding: full cache, sinks + window, and an
+    int8 cache (converted inside the kernel)."""
+    cfg = dataclasses.replace(CFG, kv_lora_rank=256, qk_rope_head_dim=64, dtype="bfloat16")
     m = DeepSeekModel(cfg, rngs=nnx.Rngs(1))
     toks = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 12)), jnp.int32)
     calls = []
     real = D.mla_decode
-    D.mla_decode = lambda *a, **kw: calls.append(kw["impl"]) or real(*a, **kw)
+    D.mla_decode = lambda *a, **kw: calls.append((kw["impl"], kw["c_scale"] is not None)) or real(*a, **kw)
     try:
-        for cc in (D.CacheConfig(), D.CacheConfig(sink_tokens=4, window=60)):
+        for cc in (D.CacheConfig(), D.CacheConfig(sink_tokens=4, window=60), D.CacheConfig("int8")):
             want, _ = stream_logits(m, toks, cc, 64)
             got, _ = stream_logits(m, toks, dataclasses.replace(cc, kernel=True), 64)
             err = float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want))
             assert err < 2e-2, err
     finally:
         D.mla_decode = real
-    assert calls and set(calls) == {"mosaic"}
+    assert set(calls) == {("mosaic", False), ("mosaic", True)}, set(calls)  # int8 too
 
 
 def test_absorbed_equals_expanded_attention_with_lora():

@@ -67,6 +67,48 @@ def test_kernel_matches_the_references():
     assert got_api.shape == (b, h, 512) and rel(got_api, got) < 1e-6
 
 
+
+def int8_cache(c_kv):
+    """c_kv quantised per token as `dsjax.model.decode.quantize_int8` does: (int8, scales)."""
+    x = c_kv.astype(jnp.float32)
+    sc = jnp.max(jnp.abs(x), axis=-1) / 127.0
+    q = jnp.clip(jnp.rint(x / jnp.where(sc > 0, sc, 1.0)[..., None]), -127, 127).astype(jnp.int8)
+    return q, sc
+
+
+def test_int8_cache_matches_the_references():
+    """An int8 c_kv with per-token scales (2 rows x 16 heads x 256 slots in 2 splits, the
+    masks of the bf16 test): the kernel converts each int8 tile in shared memory and scales the
+    latent scores' and P's columns by the token scales. Against the fp32 reference on the same
+    int8 latent, within 1.25x of the error of (P x scale) rounded once to bf16 at the row's
+    max (the XLA path's rounding)."""
+    b, h, s = 2, 16, 256
+    q_lat, q_rope, c_bf16, k_rope = operands(b, h, s, seed=5)
+    c8, cs = int8_cache(c_bf16)
+    pos = jnp.arange(s)
+    valid = jnp.stack([pos < 200, (pos < 4) | (pos >= 150)])
+    bias = jnp.where(valid, 0.0, -jnp.inf).astype(jnp.float32)
+    scale = 0.1
+    got = mla_decode(q_lat, q_rope, c8, k_rope, bias, scale, c_scale=cs, impl="mosaic")
+    want = R.mla_decode_reference(q_lat, q_rope, c8, k_rope, bias, scale, c_scale=cs)
+    f32, hp = jnp.float32, jax.lax.Precision.HIGHEST
+    sc = (jnp.einsum("bhc,bsc->bhs", q_lat.astype(f32), c8.astype(f32) * cs[..., None], precision=hp)
+          + jnp.einsum("bhr,bsr->bhs", q_rope.astype(f32), k_rope.astype(f32), precision=hp))
+    sc = sc * scale + bias[:, None, :]
+    p = jnp.exp(sc - jnp.max(sc, axis=-1, keepdims=True))
+    pc = (p * cs[:, None, :]).astype(jnp.bfloat16).astype(f32)
+    ideal = rel(jnp.einsum("bhs,bsc->bhc", pc, c8.astype(f32), precision=hp)
+                / jnp.sum(p, axis=-1)[..., None], want)
+    assert got.shape == (b, h, 512) and 1e-4 < ideal < 4e-3, ideal
+    assert rel(got, want) < 1.25 * ideal, (rel(got, want), ideal)
+    # the int8 latent itself is within int8 rounding of the bf16 one
+    assert rel(want, R.mla_decode_reference(q_lat, q_rope, c_bf16, k_rope, bias, scale)) < 2e-2
+    with pytest.raises(ValueError, match="needs c_scale"):
+        mla_decode(q_lat, q_rope, c8, k_rope, bias, scale, impl="mosaic")
+    with pytest.raises(ValueError, match="needs c_scale"):
+        mla_decode(q_lat, q_rope, c_bf16, k_rope, bias, scale, c_scale=cs)
+
+
 def test_a_row_with_no_valid_slot_gives_zeros_and_splits_merge():
     o = jnp.ones((1, 3, 2, 4))
     m2 = jnp.array([[[0.0, -1e30], [1.0, -1e30], [-1e30, -1e30]]])
@@ -103,7 +145,10 @@ def test_no_races(kernel_races, monkeypatch):
     bias = jnp.zeros((1, 128), jnp.float32)
     jax.block_until_ready(mosaic.mla_decode_partial(q_lat, q_rope, c_kv, k_rope, bias, scale=0.1,
                                                     splits=1))
-    assert len(kernel_races) == 1 and not any(kernel_races), kernel_races
+    c8, cs = int8_cache(c_kv)  # the converted tile: written by both warpgroups, read by both
+    jax.block_until_ready(mosaic.mla_decode_partial(q_lat, q_rope, c8, k_rope, bias, cs, scale=0.1,
+                                                    splits=1))
+    assert len(kernel_races) == 2 and not any(kernel_races), kernel_races
 
 
 class _H100:
@@ -112,7 +157,7 @@ class _H100:
 
 
 def test_lowers_for_hopper():
-    """V2-Lite's latent (512 + 64) at batch 1 / 4K and batch 64 / 32K slots."""
+    """V2-Lite's latent (512 + 64) at batch 1 / 4K and batch 64 / 32K slots, bf16 and int8."""
     S = jax.ShapeDtypeStruct
     for b, s in ((1, 4096), (64, 32768)):
         with _hopper.target_device(_H100()):
@@ -120,3 +165,10 @@ def test_lowers_for_hopper():
                 S((b, 16, 512), jnp.bfloat16), S((b, 16, 64), jnp.bfloat16), S((b, s, 512), jnp.bfloat16),
                 S((b, s, 64), jnp.bfloat16), S((b, s), jnp.float32)).lower(lowering_platforms=("cuda",)).as_text()
         assert len(re.findall(r'kernel_hash = "', text)) == 1, (b, s)
+        with _hopper.target_device(_H100()):
+            text = jax.jit(lambda q, qr, c, kr, bias, cs: mla_decode(
+                q, qr, c, kr, bias, 0.1, c_scale=cs, impl="mosaic")).trace(
+                S((b, 16, 512), jnp.bfloat16), S((b, 16, 64), jnp.bfloat16), S((b, s, 512), jnp.int8),
+                S((b, s, 64), jnp.bfloat16), S((b, s), jnp.float32), S((b, s), jnp.float32)).lower(
+                lowering_platforms=("cuda",)).as_text()
+        assert len(re.findall(r'kernel_hash = "', text)) == 1, ("int8", b, s)
