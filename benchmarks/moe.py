@@ -6,7 +6,9 @@ Prints one table; `--json F` also writes its rows.
 
 Shapes (T tokens, top-K of E experts, hidden D, expert width I; M = T*K routed rows), routing
 = top-K of random normal scores (near-uniform expert load), bf16 inputs. Ops and their peers:
-  gate/up GEMM [M, D] x [E, D, 2I]: ours (`grouped_matmul`, impl="pallas"), `lax.ragged_dot`,
+  gate/up GEMM [M, D] x [E, D, 2I]: ours (`grouped_matmul`, impl="pallas"), ours in FP8
+    (`pallas_kernels.fp8.fp8_grouped_gemm`: E4M3 operands, x quantised per 1 x 128 and w per
+    128 x 128 inside the timed call, DeepSeek-V3's recipe; --check shows E4M3's rounding), `lax.ragged_dot`,
     tokamax's `ragged_dot` (mosaic, when importable on a GPU), and one dense XLA GEMM
     [M, D] x [D, 2I] of the same FLOPs. FLOPs 2*M*D*2I forward, 3x that forward+backward.
   permute (incl. the routing sort): ours (counting sort + Mosaic GPU row scatter) vs the
@@ -44,6 +46,7 @@ import jax.numpy as jnp
 sys.path.insert(0, __file__.rsplit("/benchmarks/", 1)[0])
 from pallas_kernels._hopper import on_gpu  # noqa: E402
 from _timing import seconds  # noqa: E402
+from pallas_kernels.fp8 import fp8_grouped_gemm  # noqa: E402
 from pallas_kernels.moe import grouped_matmul, permute, unpermute  # noqa: E402
 
 from _trace import kernel_summary, summary_markdown  # noqa: E402 (benchmarks/_trace.py)
@@ -109,7 +112,9 @@ def cases(s):
     xs, gs, perm = jax.jit(lambda x, i: permute(x, i, num_experts=E, impl="reference"))(x, ids)
     ys = jax.random.normal(jax.random.key(1), (M, D), jnp.bfloat16)
     gmm = lambda impl: (lambda a, b, g: grouped_matmul(a, b, g, impl=impl))
+    fp8 = lambda a, b, g: fp8_grouped_gemm(a, b, g)  # noqa: E731 (the Mosaic kernels on Hopper)
     gemm = [("ours", gmm("pallas"), (xs, w), (gs,), gmm("reference")),
+            ("ours FP8 E4M3, quantisation included", fp8, (xs, w), (gs,), gmm("reference")),
             ("lax.ragged_dot", jax.lax.ragged_dot, (xs, w), (gs,), gmm("reference"))]
     tok = tokamax_ragged_dot()
     if tok is not None:
