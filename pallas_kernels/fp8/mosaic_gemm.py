@@ -21,7 +21,10 @@ thread); with tn = 256 it folds each 128-column half after its wgmma (sum 128 + 
 registers) and the two warpgroups' alternation hides the fold. The activation scales are read
 transposed, [KB, M] (M-major, as DeepGEMM stores them), so a warpgroup's 64 row scales of one
 step are contiguous; they and the weight scale (one scalar per 128 columns and step) are loaded
-from global memory before the step's wgmma is waited for.
+from global memory before the step's wgmma is waited for. `Fp8Config.cluster` pairs CTAs in
+2-CTA clusters on two row tiles of one column tile ("m") or two column tiles of one row tile
+("n"), the shared operand's tiles multicast to both by TMA (`collective_axes` of the pipeline's
+BlockSpec): half the L2 reads of that operand.
 
 The same kernel serves the dense weight gradient (`mosaic_wgrad.fp8_gemm_1d1d`): with
 b_scales="rows" the B scales are per (row of b_q, 128 of K), read transposed [KB, N] as one
@@ -61,7 +64,11 @@ class Fp8Config:
       a_q / b_q ring (capped by shared memory). overlap: fold the previous step's partial
       product while the current wgmma runs (tile_n 128 only). grid_minor: "n" (column tiles
       vary fastest over the work items) or "m"; grid_tile_width: width of the bands in which
-      the work items snake (`plgpu.planar_snake`), for L2 reuse.
+      the work items snake (`plgpu.planar_snake`), for L2 reuse. cluster: None (one CTA per
+      work item), "m" (dense only: 2-CTA clusters on two row tiles of the same column tile,
+      its b_q tiles multicast to both by TMA) or "n" (two column tiles of the same row tile,
+      its a_q tiles multicast): each shared operand read once from L2 for two CTAs; the
+      paired dimension's tile count must be even.
     """
     tile_n: int = 128
     max_concurrent_steps: int = 4
@@ -69,6 +76,7 @@ class Fp8Config:
     overlap: bool = True
     grid_minor: str = "n"
     grid_tile_width: int = 8
+    cluster: str | None = None
 
 
 DEFAULT_CONFIG = Fp8Config()
@@ -119,6 +127,8 @@ def check_schedule(config):
         raise ValueError("overlap needs tile_n=128 (registers)")
     if config.grid_minor not in ("m", "n"):
         raise ValueError(f"grid_minor={config.grid_minor!r}: expected 'm' or 'n'")
+    if config.cluster not in (None, "m", "n"):
+        raise ValueError(f"cluster={config.cluster!r}: expected None, 'm' or 'n'")
 
 
 @lower_once
@@ -213,6 +223,15 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
     k_steps = k // BLOCK
     n_iters = n // tn
     m_iters = table.shape[1] if grouped else mp // TILE_M
+    cluster = config.cluster
+    if cluster == "m" and grouped:
+        raise ValueError("cluster='m' pairs row tiles of one weight tile: dense only")
+    if cluster and (m_iters if cluster == "m" else n_iters) % 2:
+        raise ValueError(f"cluster={cluster!r} needs an even number of "
+                         f"{'row' if cluster == 'm' else 'column'} tiles, got "
+                         f"{m_iters if cluster == 'm' else n_iters}")
+    csize = 2 if cluster else 1
+    pm, pn = (m_iters // 2, n_iters) if cluster == "m" else (m_iters, n_iters // csize)
     n_stages = stages(tn, out_dtype, config.max_concurrent_steps)
     in_tr = transforms(BLOCK, FP8)
     out_tr = transforms(EPI * out_dtype.itemsize, out_dtype)
@@ -225,8 +244,10 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
             grid=(k_steps,),
             memory_registers=config.memory_registers,
             in_specs=[
-                plgpu.BlockSpec((TILE_M, BLOCK), lambda kb: (0, kb), transforms=in_tr),
-                plgpu.BlockSpec((tn, BLOCK), lambda kb: (0, kb), transforms=in_tr),
+                plgpu.BlockSpec((TILE_M, BLOCK), lambda kb: (0, kb), transforms=in_tr,
+                                collective_axes=("cluster",) if cluster == "n" else None),
+                plgpu.BlockSpec((tn, BLOCK), lambda kb: (0, kb), transforms=in_tr,
+                                collective_axes=("cluster",) if cluster == "m" else None),
             ],
             wg_axis="wg",
             num_compute_wgs=2,
@@ -255,11 +276,13 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
         def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            @plgpu.nd_loop((m_iters * n_iters,), collective_axes="sm")
+            cta = lax.axis_index("cluster") if cluster else 0
+
+            @plgpu.nd_loop((pm * pn,), collective_axes="sm")
             def _item(info):
                 (lin,) = info.index
                 if grouped:
-                    t, ni = lin // n_iters, lin % n_iters
+                    t, ni = lin // pn, lin % pn * csize + cta
                     g = table_ref[0, t]
                     row0 = pl.multiple_of(table_ref[1, t], 8)
                     lo, hi = table_ref[2, t], table_ref[3, t]
@@ -268,8 +291,11 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
                     wlo = jnp.clip(lo - wg * WG_ROWS, 0, WG_ROWS)
                     whi = jnp.clip(hi - wg * WG_ROWS, 0, WG_ROWS)
                 else:
-                    mi, ni = plgpu.planar_snake(lin, (m_iters, n_iters), minor,
-                                               config.grid_tile_width)
+                    mi, ni = plgpu.planar_snake(lin, (pm, pn), minor, config.grid_tile_width)
+                    if cluster == "m":
+                        mi = mi * 2 + cta
+                    elif cluster == "n":
+                        ni = ni * 2 + cta
                     row0, gw, real = mi * TILE_M, 0, None
                     lo = hi = wlo = whi = None
                 r0 = row0 + wg * WG_ROWS  # this warpgroup's first row
@@ -343,14 +369,16 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
 
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    cluster_args = dict(cluster=(2,), cluster_names=("cluster",)) if cluster else {}
     call = plgpu.kernel(
         kernel,
         out_type=jax.ShapeDtypeStruct((mp, n), out_dtype),
-        grid=(num_sms(),),
+        grid=(num_sms() // csize,),
         grid_names=("sm",),
         num_threads=3,
         thread_name="wg",
         interpret=default_interpret() if interpret is None else interpret,
+        **cluster_args,
     )
     operands = (a_q, a_st, b_q, b_s)
     return call(*((table,) + operands if grouped else operands))

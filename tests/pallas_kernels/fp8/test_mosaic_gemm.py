@@ -14,6 +14,8 @@ from pallas_kernels.fp8.mosaic_gemm import Fp8Config, fp8_gemm_blockwise, fp8_gm
 E4M3_MAX = 448.0
 WIDE = Fp8Config(tile_n=256, overlap=False)  # two 128-column scale blocks per CTA tile
 PLAIN = Fp8Config(overlap=False)             # fold after each wgmma, tile_n 128
+PAIR_M = Fp8Config(cluster="m")              # 2-CTA clusters sharing b_q's tiles (multicast)
+PAIR_N = Fp8Config(cluster="n")              # 2-CTA clusters sharing a_q's tiles
 
 
 def quant_rows(x):
@@ -61,7 +63,8 @@ def dense_operands(m, n, k, seed):
 
 
 @pytest.mark.parametrize("m,n,k,config", [(256, 256, 384, None), (256, 512, 384, WIDE),
-                                          (200, 256, 256, PLAIN)])
+                                          (200, 256, 256, PLAIN), (256, 256, 384, PAIR_M),
+                                          (128, 512, 256, PAIR_N)])
 def test_dense_matches_blockwise_reference(m, n, k, config):
     a_q, a_s, b_q, b_s = dense_operands(m, n, k, seed=m + n)
     ref = reference(a_q, a_s, b_q, b_s)
@@ -109,7 +112,8 @@ def grouped_reference(a_q, a_s, b_q, b_s, gs):
 
 
 @pytest.mark.parametrize("m,gs,config", [(384, (100, 0, 37, 200), None),
-                                         (300, (10, 150, 133), WIDE)])
+                                         (300, (10, 150, 133), WIDE),
+                                         (384, (100, 0, 37, 200), PAIR_N)])
 def test_grouped_matches_per_group_reference(m, gs, config):
     n, k = (256, 256) if config is None else (512, 256)
     gs = jnp.asarray(gs, jnp.int32)
@@ -123,15 +127,16 @@ def test_grouped_matches_per_group_reference(m, gs, config):
 
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
 def test_no_races(kernel_races, monkeypatch):
-    """GPU interpret mode with race detection: dense (both fold schedules) and grouped."""
+    """GPU interpret mode with race detection: dense (both fold schedules, both cluster
+    pairings) and grouped (alone and paired)."""
     monkeypatch.setattr(mosaic_gemm, "default_interpret",
                         lambda: _hopper.interpret_params(detect_races=True))
     a_q, a_s, b_q, b_s = dense_operands(256, 256, 384, seed=7)
     outs = [fp8_gemm_blockwise(a_q, a_s, b_q, b_s, out_dtype=jnp.float32, config=c)
-            for c in (None, PLAIN)]
+            for c in (None, PLAIN, PAIR_M, PAIR_N)]
     gs = jnp.asarray([70, 0, 130], jnp.int32)
     ga = grouped_operands(256, 256, 256, 3, seed=8)
-    outs.append(fp8_gmm_blockwise(*ga, gs, out_dtype=jnp.float32))
+    outs += [fp8_gmm_blockwise(*ga, gs, out_dtype=jnp.float32, config=c) for c in (None, PAIR_N)]
     jax.block_until_ready(outs)
     assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
 
@@ -150,3 +155,10 @@ def test_refusals():
         fp8_gemm_blockwise(a_q, a_s, b_q, b_s, config=Fp8Config(tile_n=256))
     with pytest.raises(ValueError, match="group_sizes shape"):
         fp8_gmm_blockwise(a_q, a_s, b_q[None], b_s[None], jnp.zeros((2,), jnp.int32))
+    # 2-CTA clusters: row-tile pairs only for one weight tile (dense), an even tile count
+    with pytest.raises(ValueError, match="dense only"):
+        fp8_gmm_blockwise(a_q, a_s, b_q[None], b_s[None], jnp.full((1,), 128, jnp.int32), config=PAIR_M)
+    with pytest.raises(ValueError, match="even number of row tiles, got 1"):
+        fp8_gemm_blockwise(a_q, a_s, b_q, b_s, config=PAIR_M)
+    with pytest.raises(ValueError, match="cluster='k'"):
+        fp8_gemm_blockwise(a_q, a_s, b_q, b_s, config=Fp8Config(cluster="k"))
