@@ -199,6 +199,16 @@ def test_one_block_layout_is_its_half_of_the_dual_kernel(shape, dtype):
         quantize_blocks(jnp.ones((128,), jnp.bfloat16), transposed=True)
 
 
+def grouped_gemms_on_the_reference(monkeypatch):
+    """fp8_grouped_gemm's grouped forward / dgrad kernel replaced by the reference's promoted
+    sums (the kernel itself runs in test_mosaic_gemm.py); its quantisation kernels still run."""
+    from pallas_kernels.fp8 import api
+    monkeypatch.setattr(api.mosaic_gemm, "fp8_gmm_blockwise",
+                        lambda a_q, a_s, b_q, b_s, gs, out_dtype: R.grouped_gemm_blockwise_reference(
+                            a_q, a_s, jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2), gs,
+                            out_dtype=out_dtype))
+
+
 def rel(a, b):
     a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
@@ -228,11 +238,7 @@ def test_fp8_grouped_gemm_mosaic_wgrad_operands(monkeypatch):
     """fp8_grouped_gemm(impl="mosaic")'s weight gradient on operands from the fused kernel's
     128 x 1 half (the grouped forward / dgrad GEMMs replaced by the reference's, the grouped
     wgrad kernel itself run) against impl="reference"."""
-    from pallas_kernels.fp8 import api
-    monkeypatch.setattr(api.mosaic_gemm, "fp8_gmm_blockwise",
-                        lambda a_q, a_s, b_q, b_s, gs, out_dtype: R.grouped_gemm_blockwise_reference(
-                            a_q, a_s, jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2), gs,
-                            out_dtype=out_dtype))
+    grouped_gemms_on_the_reference(monkeypatch)
     keys = jax.random.split(jax.random.key(11), 3)
     gs = jnp.array([90, 0, 150])
     x = jax.random.normal(keys[0], (256, 200))
@@ -264,10 +270,7 @@ def test_weights_quantised_once_by_the_kernel(monkeypatch):
     monkeypatch.setattr(api.mosaic_wgrad, "fp8_gemm_1d1d",
                         lambda a_q, a_s, b_q, b_s, out_dtype: R.gemm_1d1d_reference(
                             a_q, a_s, b_q, b_s, out_dtype=out_dtype))
-    monkeypatch.setattr(api.mosaic_gemm, "fp8_gmm_blockwise",
-                        lambda a_q, a_s, b_q, b_s, gs, out_dtype: R.grouped_gemm_blockwise_reference(
-                            a_q, a_s, jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2), gs,
-                            out_dtype=out_dtype))
+    grouped_gemms_on_the_reference(monkeypatch)
     keys = jax.random.split(jax.random.key(12), 6)
     gs = jnp.array([70, 0, 130])
     x, xg = jax.random.normal(keys[0], (136, 300)), jax.random.normal(keys[1], (256, 200))
@@ -318,11 +321,7 @@ def test_grouped_gemm_requantizing_the_weight_in_the_backward(impl, monkeypatch)
     default (the dgrad's E4M3 copy of w quantised again in the backward instead of kept), and
     its backward holds w itself, no E4M3 copy of it; "mosaic" (quantisation kernels run in
     interpret mode, the GEMMs by the reference's promoted sums) writes one layout per call."""
-    from pallas_kernels.fp8 import api
-    monkeypatch.setattr(api.mosaic_gemm, "fp8_gmm_blockwise",
-                        lambda a_q, a_s, b_q, b_s, gs, out_dtype: R.grouped_gemm_blockwise_reference(
-                            a_q, a_s, jnp.swapaxes(b_q, 1, 2), jnp.swapaxes(b_s, 1, 2), gs,
-                            out_dtype=out_dtype))
+    grouped_gemms_on_the_reference(monkeypatch)
     keys = jax.random.split(jax.random.key(21), 3)
     gs = jnp.array([70, 0, 130])
     x = jax.random.normal(keys[0], (256, 200)).astype(jnp.bfloat16)
