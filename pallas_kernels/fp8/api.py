@@ -174,13 +174,24 @@ def _quantize_weight_one(backend, w, transposed: bool):
     return (jnp.swapaxes(q, -1, -2), jnp.swapaxes(s, -1, -2)) if transposed else (q, s)
 
 
+def _forward_weight(backend, w, requant):
+    """(wt_q, wt_s, held_q, held_s): the forward's transposed blocks of w and what the backward
+    keeps for its dgrad: the stored blocks (one read of w for both), or with requant w itself
+    (and None), quantised again there by `_dgrad_weight`."""
+    if requant:
+        return _quantize_weight_one(backend, w, transposed=True) + (w, None)
+    w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)
+    return wt_q, wt_s, w_q, w_s
+
+
+def _dgrad_weight(backend, requant, held_q, held_s):
+    """The dgrad's stored blocks (w_q, w_s) from what `_forward_weight` kept."""
+    return _quantize_weight_one(backend, held_q, transposed=False) if requant else (held_q, held_s)
+
+
 def _fp8_matmul_fwd(x, w, backend, requant):
     x_q, x_s, xt_q, xt_s = _quantize_both(backend, x)  # xt: x^T [K, M], scales [K, Mb]
-    if requant:  # the forward's copy alone; the dgrad's is quantised from w in the backward
-        wt_q, wt_s = _quantize_weight_one(backend, w, transposed=True)
-        w_q, w_s = w, None
-    else:
-        w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [K, N], [Kb, Nb]; w^T [N, K], [Nb, Kb]
+    wt_q, wt_s, w_q, w_s = _forward_weight(backend, w, requant)  # w^T [N, K], [Nb, Kb]; kept
     y = gemm_nt(backend, x_q, x_s, wt_q, wt_s, x.dtype)[:x.shape[0], :w.shape[1]]
     y, w_q, xt_q = _in_order(backend, y, w_q, xt_q)
     return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
@@ -188,8 +199,7 @@ def _fp8_matmul_fwd(x, w, backend, requant):
 
 def _fp8_matmul_bwd(backend, requant, res, dy):
     xt_q, xt_s, w_q, w_s, x_meta, w_meta = res
-    if requant:  # res holds w itself
-        w_q, w_s = _quantize_weight_one(backend, w_q, transposed=False)
+    w_q, w_s = _dgrad_weight(backend, requant, w_q, w_s)  # [.., K, N], [.., Kb, Nb]
     dy_q, dy_s, dyt_q, dyt_s = _quantize_both(backend, dy)  # dyt: dy^T [N, M], scales [N, Mb]
     k, n = x_meta.shape[1], w_meta.shape[1]
     # dy [M, N] @ (w [K, N])^T; with padded (mosaic) dy and w, w's padded rows give dx's padded
@@ -312,11 +322,7 @@ def _fp8_gmm(x, w, group_sizes, backend, requant):
 
 def _fp8_gmm_fwd(x, w, group_sizes, backend, requant):
     x_q, x_s = ref.quantize_rows_1x128(x)
-    if requant:  # the forward's copy alone; the dgrad's is quantised from w in the backward
-        wt_q, wt_s = _quantize_weight_one(backend, w, transposed=True)
-        w_q, w_s = w, None
-    else:
-        w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)  # [E, K, N], [E, Kb, Nb]; transposed
+    wt_q, wt_s, w_q, w_s = _forward_weight(backend, w, requant)  # [E, N, K], [E, Nb, Kb]; kept
     # forward: b = w_e^T [N, K] per expert (K-major, the transposed fp8 copy; a block's scale
     # is its transpose's)
     y = _grouped_gemm_nt(backend, x_q, x_s, wt_q, wt_s, group_sizes, x.dtype)[:, :w.shape[2]]
@@ -327,8 +333,7 @@ def _fp8_gmm_fwd(x, w, group_sizes, backend, requant):
 
 def _fp8_gmm_bwd(backend, requant, res, dy, sink=None):
     xt_q, xt_s, w_q, w_s, group_sizes, x_meta, w_meta = res
-    if requant:  # res holds w itself
-        w_q, w_s = _quantize_weight_one(backend, w_q, transposed=False)
+    w_q, w_s = _dgrad_weight(backend, requant, w_q, w_s)  # [.., K, N], [.., Kb, Nb]
     dy_q, dy_s = ref.quantize_rows_1x128(dy)
     # dgrad: dx = dy @ w_e^T, i.e. b = w_e [K, N] as stored (K the output, N the contraction)
     dx = _grouped_gemm_nt(backend, dy_q, dy_s, w_q, w_s, group_sizes, x_meta.dtype)
