@@ -223,10 +223,10 @@ def absorbed_attention(attn, q, lc, k_rope, valid, scale, kernel: bool = False):
     q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     f32 = jnp.float32
     q_lat = jnp.einsum("bthn,chn->bthc", q_nope, w_uk, preferred_element_type=f32).astype(cdt)
-    if (kernel and q.shape[1] == 1 and valid.ndim == 2
-            and kernel_fits(q_lat, lc["c_kv"], k_rope.astype(cdt)) is None):
+    k_rope = k_rope.astype(cdt)
+    if kernel and q.shape[1] == 1 and valid.ndim == 2 and kernel_fits(q_lat, lc["c_kv"], k_rope) is None:
         bias = jnp.where(valid, 0.0, -jnp.inf).astype(f32)
-        o_lat = mla_decode(q_lat[:, 0], q_rope[:, 0].astype(cdt), lc["c_kv"], k_rope.astype(cdt), bias,
+        o_lat = mla_decode(q_lat[:, 0], q_rope[:, 0].astype(cdt), lc["c_kv"], k_rope, bias,
                            scale, c_scale=lc.get("c_scale"), impl="mosaic")[:, None].astype(cdt)
         return jnp.einsum("bthc,chv->bthv", o_lat, w_uv, preferred_element_type=f32).astype(cdt)
     c_kv = lc["c_kv"].astype(cdt)  # int8 values are exact in bf16
@@ -234,7 +234,7 @@ def absorbed_attention(attn, q, lc, k_rope, valid, scale, kernel: bool = False):
     c_scale = lc.get("c_scale")
     if c_scale is not None:
         s_lat = s_lat * c_scale[:, None, None, :]
-    s_rope = jnp.einsum("bthr,bsr->bhts", q_rope, k_rope.astype(cdt), preferred_element_type=f32)
+    s_rope = jnp.einsum("bthr,bsr->bhts", q_rope, k_rope, preferred_element_type=f32)
     mask = valid[:, None, None, :] if valid.ndim == 2 else valid[:, None]
     p = jax.nn.softmax(jnp.where(mask, (s_lat + s_rope) * scale, -jnp.inf), axis=-1)
     if c_scale is not None:
