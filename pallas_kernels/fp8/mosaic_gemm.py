@@ -24,7 +24,11 @@ step are contiguous; they and the weight scale (one scalar per 128 columns and s
 from global memory before the step's wgmma is waited for. `Fp8Config.cluster` pairs CTAs in
 2-CTA clusters on two row tiles of one column tile ("m") or two column tiles of one row tile
 ("n"), the shared operand's tiles multicast to both by TMA (`collective_axes` of the pipeline's
-BlockSpec): half the L2 reads of that operand.
+BlockSpec): half the L2 reads of that operand. By default each work item runs its own
+warp-specialized pipeline, which the TMA warpgroup fills at the item's start and drains at its
+end; `Fp8Config.ring` keeps one ring of stages for all of a CTA's items instead, the TMA
+warpgroup loading the next item's first steps while the compute warpgroups finish and store the
+current one (`ring_items`).
 
 The same kernel serves the dense weight gradient (`mosaic_wgrad.fp8_gemm_1d1d`): with
 b_scales="rows" the B scales are per (row of b_q, 128 of K), read transposed [KB, N] as one
@@ -68,7 +72,10 @@ class Fp8Config:
       work item), "m" (dense only: 2-CTA clusters on two row tiles of the same column tile,
       its b_q tiles multicast to both by TMA) or "n" (two column tiles of the same row tile,
       its a_q tiles multicast): each shared operand read once from L2 for two CTAs; the
-      paired dimension's tile count must be even.
+      paired dimension's tile count must be even. ring: one ring of operand stages for all of
+      the CTA's work items (the TMA warpgroup runs ahead into the next item while the compute
+      warpgroups finish one and store it) instead of a pipeline per work item, which drains
+      and refills the ring at every item.
     """
     tile_n: int = 128
     max_concurrent_steps: int = 4
@@ -77,9 +84,17 @@ class Fp8Config:
     grid_minor: str = "n"
     grid_tile_width: int = 8
     cluster: str | None = None
+    ring: bool = False
 
 
 DEFAULT_CONFIG = Fp8Config()
+
+
+def compute_registers(memory_registers: int) -> int:
+    """Registers per thread of each of the two compute warpgroups when the TMA warpgroup keeps
+    `memory_registers` (emit_pipeline_warp_specialized's split of the 64 K register file: what
+    is left, halved, capped at 256 and rounded down to a multiple of 8)."""
+    return int(min(256, (512 - memory_registers) // 2) // 8 * 8)
 
 
 def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG, group_sizes=None):
@@ -255,6 +270,76 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
             compute_context=context,
         )
 
+    def ring_items(geometry, allocs, a_ref, b_ref, wg):
+        """The CTA's work items on one operand ring (`Fp8Config.ring`). Step c of the CTA's
+        sequence (its active items in order, k_steps each) uses slot c % n_stages: the TMA
+        warpgroup (wg 2) loads it once both compute warpgroups have released the slot's
+        previous step, c - n_stages, and so runs ahead into the next item while they finish
+        and store one; the compute warpgroups wait for the step's two tiles, run the item's
+        body on them and release the slot. Both sides count the same steps (`geometry`'s
+        active items), so they agree on every slot and barrier phase."""
+        a_ring, b_ring, produced, consumed = allocs
+        collective = ("cluster",) if cluster else None
+
+        def over_items(per_item):
+            """per_item(lin, count) -> None over the CTA's work items, count the steps before
+            the item; returns the steps of all of them."""
+            @plgpu.nd_loop((pm * pn,), collective_axes="sm", init_carry=jnp.int32(0))
+            def steps(info, carry):
+                (lin,) = info.index
+                row0, ni, gw, active, body, program = geometry(lin)
+                run = functools.partial(per_item, carry, row0, ni, gw, body, program)
+                if active is None:
+                    run()
+                    return carry + k_steps
+                pl.when(active)(run)
+                return carry + jnp.where(active, k_steps, 0)
+            return steps
+
+        @pl.when(wg == 2)
+        def _memory():
+            plgpu.set_max_registers(config.memory_registers, action="decrease")
+
+            def load(count, row0, ni, gw, body, program):
+                @pl.loop(0, k_steps)
+                def _(kb):
+                    c = count + kb
+                    slot = lax.rem(c, n_stages)
+
+                    @pl.when(c >= n_stages)
+                    def _():
+                        plgpu.barrier_wait(consumed.at[slot])
+                    cols = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
+                    plgpu.copy_gmem_to_smem(
+                        a_ref.at[pl.ds(row0, TILE_M), cols], a_ring.at[slot], produced.at[slot],
+                        collective_axes=collective if cluster == "n" else None)
+                    plgpu.copy_gmem_to_smem(
+                        b_ref.at[gw, pl.ds(ni * tn, tn), cols], b_ring.at[slot], produced.at[slot],
+                        collective_axes=collective if cluster == "m" else None)
+
+            total = over_items(load)
+
+            # the last steps' releases: afterwards no compute warpgroup (of this CTA or, in a
+            # cluster, of the other) arrives on a barrier here, and the CTA may exit
+            @pl.loop(jnp.maximum(total - n_stages, 0), total)
+            def _(c):
+                plgpu.barrier_wait(consumed.at[lax.rem(c, n_stages)])
+
+        @pl.when(wg < 2)
+        def _compute():
+            plgpu.set_max_registers(compute_registers(config.memory_registers), action="increase")
+
+            def compute(count, row0, ni, gw, body, program):
+                def step(kb, carry):
+                    slot = lax.rem(count + kb, n_stages)
+                    plgpu.barrier_wait(produced.at[slot])
+                    carry = body((kb,), a_ring.at[slot], b_ring.at[slot], carry)
+                    plgpu.barrier_arrive(consumed.at[slot])  # the step's wgmma has completed
+                    return carry
+                program(lambda init: lax.fori_loop(0, k_steps, step, init))
+
+            over_items(compute)
+
     def kernel(*refs):
         table_ref, (a_ref, ast_ref, b_ref, bs_ref, o_ref) = (
             (refs[0], refs[1:]) if grouped else (None, refs))
@@ -265,22 +350,34 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
         slot = (plgpu.RefUnion(plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr),
                                plgpu.SMEM((EPI, EPI), out_dtype)) if grouped
                 else plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr))
+        if config.ring:
+            consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",))
+                        if cluster else plgpu.Barrier)
+            allocs = (plgpu.SMEM((n_stages, TILE_M, BLOCK), FP8, transforms=in_tr),
+                      plgpu.SMEM((n_stages, tn, BLOCK), FP8, transforms=in_tr),
+                      plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),  # both tiles landed
+                      consumed(num_arrivals=2, num_barriers=n_stages))  # both compute wgs done
+        else:
+            allocs = make_pipeline(ignore, ignore).get_allocations(
+                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[0, pl.ds(0, tn), :])
 
         @functools.partial(
             pl.run_scoped,
-            allocs=make_pipeline(ignore, ignore).get_allocations(
-                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[0, pl.ds(0, tn), :]),
+            allocs=allocs,
             out_smem=tuple(tuple(slot for _ in range(2)) for _ in range(2)),
             collective_axes="wg",
         )
         def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
-
             cta = lax.axis_index("cluster") if cluster else 0
 
-            @plgpu.nd_loop((pm * pn,), collective_axes="sm")
-            def _item(info):
-                (lin,) = info.index
+            def geometry(lin):
+                """Work item lin: (row0, ni, gw, active, body, program). The item's a_q rows
+                start at row0, its b_q tile is column tile ni of weight gw; active: None
+                (dense) or whether the row tile holds rows (grouped). body(idx, a_smem, b_smem,
+                carry) -> carry is one contraction step; program(run), where run(init) gives
+                the final carry of body over the k_steps steps, computes and stores the item
+                (emit_pipeline's compute_context)."""
                 if grouped:
                     t, ni = lin // pn, lin % pn * csize + cta
                     g = table_ref[0, t]
@@ -343,7 +440,7 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
                         totals[s] = fold(totals[s], part, sa, sbs[s])
                     return tuple(totals)
 
-                def context(run):
+                def program(run):
                     zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
                     if overlap and rows:
                         total, prev = run((zero, zero))
@@ -358,12 +455,23 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
                     store_tiles(totals, out_smem, o_ref, wg, r0, ni * tn, out_dtype,
                                 (wlo, whi) if grouped else None)
 
+                return row0, ni, gw, (hi > lo) if grouped else None, body, program
+
+            if config.ring:
+                ring_items(geometry, allocs, a_ref, b_ref, wg)
+                return
+
+            @plgpu.nd_loop((pm * pn,), collective_axes="sm")
+            def _item(info):
+                (lin,) = info.index
+                row0, ni, gw, active, body, program = geometry(lin)
+
                 def pipeline():
-                    make_pipeline(body, context)(
+                    make_pipeline(body, program)(
                         a_ref.at[pl.ds(row0, TILE_M), :], b_ref.at[gw, pl.ds(ni * tn, tn), :],
                         allocations=allocs)
                 if grouped:
-                    pl.when(hi > lo)(pipeline)
+                    pl.when(active)(pipeline)
                 else:
                     pipeline()
 
