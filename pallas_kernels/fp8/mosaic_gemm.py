@@ -28,7 +28,7 @@ BlockSpec): half the L2 reads of that operand. By default each work item runs it
 warp-specialized pipeline, which the TMA warpgroup fills at the item's start and drains at its
 end; `Fp8Config.ring` keeps one ring of stages for all of a CTA's items instead, the TMA
 warpgroup loading the next item's first steps while the compute warpgroups finish and store the
-current one (`ring_items`).
+current one (`mosaic_common.ring_pipeline`).
 
 The same kernel serves the dense weight gradient (`mosaic_wgrad.fp8_gemm_1d1d`): with
 b_scales="rows" the B scales are per (row of b_q, 128 of K), read transposed [KB, N] as one
@@ -55,7 +55,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
 from pallas_kernels.fp8.mosaic_common import (
     BLOCK, EPI, FP8, ROW, TILE_M, WG_ROWS, WGMMA, fold_outer, fold_rows, load_outer_scales,
-    stages, store_tiles, transforms, wg_product)
+    ring_allocs, ring_pipeline, stages, store_tiles, transforms, wg_product)
 from pallas_kernels.moe.mosaic_gpu import row_tile_table
 
 
@@ -89,12 +89,6 @@ class Fp8Config:
 
 DEFAULT_CONFIG = Fp8Config()
 
-
-def compute_registers(memory_registers: int) -> int:
-    """Registers per thread of each of the two compute warpgroups when the TMA warpgroup keeps
-    `memory_registers` (emit_pipeline_warp_specialized's split of the 64 K register file: what
-    is left, halved, capped at 256 and rounded down to a multiple of 8)."""
-    return int(min(256, (512 - memory_registers) // 2) // 8 * 8)
 
 
 def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG, group_sizes=None):
@@ -270,76 +264,6 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
             compute_context=context,
         )
 
-    def ring_items(geometry, allocs, a_ref, b_ref, wg):
-        """The CTA's work items on one operand ring (`Fp8Config.ring`). Step c of the CTA's
-        sequence (its active items in order, k_steps each) uses slot c % n_stages: the TMA
-        warpgroup (wg 2) loads it once both compute warpgroups have released the slot's
-        previous step, c - n_stages, and so runs ahead into the next item while they finish
-        and store one; the compute warpgroups wait for the step's two tiles, run the item's
-        body on them and release the slot. Both sides count the same steps (`geometry`'s
-        active items), so they agree on every slot and barrier phase."""
-        a_ring, b_ring, produced, consumed = allocs
-        collective = ("cluster",) if cluster else None
-
-        def over_items(per_item):
-            """per_item(lin, count) -> None over the CTA's work items, count the steps before
-            the item; returns the steps of all of them."""
-            @plgpu.nd_loop((pm * pn,), collective_axes="sm", init_carry=jnp.int32(0))
-            def steps(info, carry):
-                (lin,) = info.index
-                row0, ni, gw, active, body, program = geometry(lin)
-                run = functools.partial(per_item, carry, row0, ni, gw, body, program)
-                if active is None:
-                    run()
-                    return carry + k_steps
-                pl.when(active)(run)
-                return carry + jnp.where(active, k_steps, 0)
-            return steps
-
-        @pl.when(wg == 2)
-        def _memory():
-            plgpu.set_max_registers(config.memory_registers, action="decrease")
-
-            def load(count, row0, ni, gw, body, program):
-                @pl.loop(0, k_steps)
-                def _(kb):
-                    c = count + kb
-                    slot = lax.rem(c, n_stages)
-
-                    @pl.when(c >= n_stages)
-                    def _():
-                        plgpu.barrier_wait(consumed.at[slot])
-                    cols = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
-                    plgpu.copy_gmem_to_smem(
-                        a_ref.at[pl.ds(row0, TILE_M), cols], a_ring.at[slot], produced.at[slot],
-                        collective_axes=collective if cluster == "n" else None)
-                    plgpu.copy_gmem_to_smem(
-                        b_ref.at[gw, pl.ds(ni * tn, tn), cols], b_ring.at[slot], produced.at[slot],
-                        collective_axes=collective if cluster == "m" else None)
-
-            total = over_items(load)
-
-            # the last steps' releases: afterwards no compute warpgroup (of this CTA or, in a
-            # cluster, of the other) arrives on a barrier here, and the CTA may exit
-            @pl.loop(jnp.maximum(total - n_stages, 0), total)
-            def _(c):
-                plgpu.barrier_wait(consumed.at[lax.rem(c, n_stages)])
-
-        @pl.when(wg < 2)
-        def _compute():
-            plgpu.set_max_registers(compute_registers(config.memory_registers), action="increase")
-
-            def compute(count, row0, ni, gw, body, program):
-                def step(kb, carry):
-                    slot = lax.rem(count + kb, n_stages)
-                    plgpu.barrier_wait(produced.at[slot])
-                    carry = body((kb,), a_ring.at[slot], b_ring.at[slot], carry)
-                    plgpu.barrier_arrive(consumed.at[slot])  # the step's wgmma has completed
-                    return carry
-                program(lambda init: lax.fori_loop(0, k_steps, step, init))
-
-            over_items(compute)
-
     def kernel(*refs):
         table_ref, (a_ref, ast_ref, b_ref, bs_ref, o_ref) = (
             (refs[0], refs[1:]) if grouped else (None, refs))
@@ -351,12 +275,7 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
                                plgpu.SMEM((EPI, EPI), out_dtype)) if grouped
                 else plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr))
         if config.ring:
-            consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",))
-                        if cluster else plgpu.Barrier)
-            allocs = (plgpu.SMEM((n_stages, TILE_M, BLOCK), FP8, transforms=in_tr),
-                      plgpu.SMEM((n_stages, tn, BLOCK), FP8, transforms=in_tr),
-                      plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),  # both tiles landed
-                      consumed(num_arrivals=2, num_barriers=n_stages))  # both compute wgs done
+            allocs = ring_allocs((TILE_M, BLOCK), (tn, BLOCK), n_stages, bool(cluster))
         else:
             allocs = make_pipeline(ignore, ignore).get_allocations(
                 a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[0, pl.ds(0, tn), :])
@@ -458,7 +377,17 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
                 return row0, ni, gw, (hi > lo) if grouped else None, body, program
 
             if config.ring:
-                ring_items(geometry, allocs, a_ref, b_ref, wg)
+                def item(lin):
+                    row0, ni, gw, active, body, program = geometry(lin)
+
+                    def load(kb, a_dst, b_dst, barrier):
+                        cols = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
+                        plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(row0, TILE_M), cols], a_dst, barrier,
+                                                collective_axes=("cluster",) if cluster == "n" else None)
+                        plgpu.copy_gmem_to_smem(b_ref.at[gw, pl.ds(ni * tn, tn), cols], b_dst, barrier,
+                                                collective_axes=("cluster",) if cluster == "m" else None)
+                    return jnp.int32(k_steps), active, load, body, program
+                ring_pipeline(pm * pn, item, allocs, wg=wg, memory_registers=config.memory_registers)
                 return
 
             @plgpu.nd_loop((pm * pn,), collective_axes="sm")
