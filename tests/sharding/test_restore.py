@@ -130,3 +130,47 @@ def test_create_state_holds_the_placed_params_not_a_copy():
 
     assert buffers(state["params"]) == buffers(placed)
     assert len(jax.tree.leaves(state[COPY_KEY])) > 0
+
+
+def _fp8_copies(state):
+    from pallas_kernels.fp8.stored import Fp8Copy
+    return [x for x in jax.tree.leaves(state[COPY_KEY], is_leaf=lambda x: isinstance(x, Fp8Copy))
+            if isinstance(x, Fp8Copy)]
+
+
+def test_fp8_weights_keep_the_bf16_copy_under_a_mesh_and_the_fp8_copy_on_one_device(tmp_path):
+    """model.fp8=blockwise over fp32 master weights. FSDP on 2 devices: the FP8 GEMMs quantise
+    each device's gathered weight, so the state keeps the bf16 compute copy of every weight and
+    trains. One device: the state holds the stored E4M3 copies of the FP8 weights, and
+    `loop.restore_state` quantises them again from the restored params, bitwise the copy the
+    step wrote, from where training continues with the same loss."""
+    sets = ("model.dtype=bfloat16", "model.fp8=blockwise")
+    cfg2 = tiny_cfg("mesh.preset=fsdp", "mesh.fsdp=2", "mesh.devices=2", *sets)
+    batches = synthetic_batches(cfg2, 3)
+    par2, state, _, step2 = _setup(cfg2, 2, jnp.bfloat16)
+    assert loop.fp8_copy_paths(init_model(cfg2)[0], par2) == frozenset() and not _fp8_copies(state)
+    _assert_copy_is_the_cast(state, 2)
+    for i in range(2):
+        state, m = step2(state, loop.global_batch(par2, batches[i], 1))
+        assert bool(m["finite"])
+    _assert_copy_is_the_cast(state, 2)
+
+    cfg1 = tiny_cfg("mesh.devices=1", *sets)
+    par1, state, sh1, step1 = _setup(cfg1, 1, jnp.bfloat16)
+    assert len(_fp8_copies(state)) == len(init_model(cfg1)[0].fp8_weight_paths()) > 0
+    for i in range(2):
+        state, _ = step1(state, loop.global_batch(par1, batches[i], 1))
+    ck = Checkpointer(tmp_path / "ck1", CheckpointConfig(async_save=False))
+    ck.save(2, checkpointed(state), {"pos": 2}, {})
+    ck.close()
+    _, fresh, _, _ = _setup(cfg1, 1, jnp.bfloat16)
+    ck = Checkpointer(tmp_path / "ck1", CheckpointConfig(async_save=False), read_only=True)
+    restored, _, at = loop.restore_state(ck, fresh, sh1, 2, jnp.bfloat16)
+    ck.close()
+    assert at == 2 and len(_fp8_copies(restored)) == len(_fp8_copies(state))
+    for x, y in zip(jax.tree.leaves(restored[COPY_KEY]), jax.tree.leaves(state[COPY_KEY])):
+        assert x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x, np.float32), np.asarray(y, np.float32))
+    _, m_a = step1(state, loop.global_batch(par1, batches[2], 1))
+    _, m_b = step1(restored, loop.global_batch(par1, batches[2], 1))
+    assert float(m_a["loss"]) == float(m_b["loss"])
