@@ -89,7 +89,9 @@ def _abstract_state(cfg, devices):
     fns, params, rest = finetune.abstract_model(cfg)
     tx, schedule = build_optimizer(cfg.optim, max(cfg.train.steps, 1))
     trainable, frozen = finetune.partition(cfg, params)
-    abstract = jax.eval_shape(lambda p, r, f: init_state(p, r, tx, frozen=f, compute_dtype=jnp.dtype(cfg.model.dtype)),
+    fp8 = loop.fp8_copy_paths(fns, par)
+    abstract = jax.eval_shape(lambda p, r, f: init_state(p, r, tx, frozen=f, compute_dtype=jnp.dtype(cfg.model.dtype),
+                                                         fp8_paths=fp8),
                               trainable, rest, frozen or None)
     sh = loop.state_shardings(fns, tx, par, abstract)
     state = jax.tree.map(lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), abstract, sh)
@@ -128,7 +130,8 @@ def compile_memory(cfg, n_devices: int, explain_top: int = 0, devices=None,
     Returns:
       bytes per device: params (trainable), optimizer, frozen (LoRA / lora.freeze: frozen
         weights in the compute dtype), compute_copy (the compute-dtype copy of master weights
-        kept in another dtype, `dsjax.train.step.COPY_KEY`), rest (router biases, scalars), batch (sharding-
+        kept in another dtype, `dsjax.train.step.COPY_KEY`; on one device the FP8 GEMMs'
+        weights as their stored E4M3 copy, `dsjax.train.loop.fp8_copy_paths`), rest (router biases, scalars), batch (sharding-
       derived), argument / output / alias / temp (compiled memory analysis), peak =
       argument + output - alias + temp.
     """

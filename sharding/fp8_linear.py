@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.fp8 import api as fp8_api
 from pallas_kernels.fp8.frozen import Fp8Weight, fp8_linear_frozen
+from pallas_kernels.fp8.stored import Fp8Copy
 
 TILE = 128  # tokens per wgrad tile (`pallas_kernels.fp8.reference.BLOCK`)
 
@@ -79,7 +80,9 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto", requantize
     Args:
       x: [B, T, K] activations in the compute dtype (other ranks: `fp8_linear` on the global
         arrays).
-      w: [K, N] master weight (any float dtype), any sharding.
+      w: [K, N] master weight (any float dtype), any sharding; or its stored E4M3 copy
+        (`pallas_kernels.fp8.stored.Fp8Copy`) where nothing is split (one device, or a mesh
+        that splits neither tokens nor w), as `fp8_linear` takes it.
       w_axes: w's two logical axis names (e.g. ("heads", "embed")): the preset's `tensor`
         mapping of them gives the column / row split.
       ctx: the active `sharding.rules.ShardingContext` (None or a 1-device mesh: plain
@@ -91,7 +94,8 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto", requantize
       [B, T, N] in x.dtype, B and T laid out as x, N over `tensor` for a column-parallel w.
       Differentiable in x and w as `fp8_linear`.
     Raises:
-      ValueError: as `fp8_linear` (shapes that do not contract, unknown impl).
+      ValueError: as `fp8_linear` (shapes that do not contract, unknown impl); a stored copy
+        under a mesh that splits the tokens or w.
     """
     backend = fp8_api.resolve_impl(impl)
     if ctx is None or ctx.mesh.size == 1 or x.ndim != 3 or w.ndim != 2 or x.shape[2] != w.shape[0]:
@@ -104,6 +108,10 @@ def fp8_linear_from_context(x, w, w_axes, *, ctx, impl: str = "auto", requantize
     ka, na = _axes(wspec[0]), _axes(wspec[1])
     if not (ba or sa or ka or na):  # nothing split: every device computes the whole GEMM
         return fp8_api.fp8_linear(x, w, impl=backend, requantize_weight=requantize_weight)
+    if isinstance(w, Fp8Copy):
+        raise ValueError("fp8_linear_from_context: a stored FP8 copy (Fp8Copy) of a weight that the mesh "
+                         f"{dict(mesh.shape)} splits or gathers: the train state keeps such weights' "
+                         "compute-dtype copy (`dsjax.train.loop.fp8_copy_paths`)")
     if not tiles_align(x.shape, ba, sa, mesh):
         if backend == "mosaic":
             warnings.warn(f"fp8_linear: x {list(x.shape)} over mesh {dict(mesh.shape)}: a device's "

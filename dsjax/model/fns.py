@@ -13,6 +13,8 @@ import jax
 from flax import nnx
 
 from dsjax.config import ModelConfig
+from dsjax.model.layers import Linear
+from dsjax.model.moe import EXPERT_PROJS, MoE
 from dsjax.model.transformer import DeepSeekModel
 
 
@@ -30,6 +32,22 @@ class ModelFns:
         rs = jax.tree.map(lambda x: x, self.abstract_rest)
         nnx.replace_by_pure_dict(rs, rest)
         return nnx.merge(self.graphdef, ps, rs)
+
+    def fp8_weight_paths(self) -> frozenset[tuple[str, ...]]:
+        """Paths in the params dict of the weights that an FP8 GEMM consumes (model.fp8 =
+        blockwise): the kernel of every `Linear` built with fp8 (all but the lm_head) and the
+        routed experts' EXPERT_PROJS stacks of every `MoE` (decoder and MTP layers); not the
+        embeddings, router gates, norms, biases or LoRA adapters. Empty under model.fp8=none.
+        Read from the modules themselves (the abstract model; nothing is materialised)."""
+        model = nnx.merge(self.graphdef, self.abstract_params, self.abstract_rest)
+        out = set()
+        for path, mod in nnx.iter_modules(model):
+            names = tuple(str(p) for p in path)
+            if isinstance(mod, Linear) and mod.fp8:
+                out.add(names + ("kernel",))
+            elif isinstance(mod, MoE) and mod.cfg.fp8 == "blockwise":
+                out.update(names + (p,) for p in EXPERT_PROJS)
+        return frozenset(out)
 
 
 def abstract_model(model_cfg: ModelConfig, seed: int = 0):

@@ -45,7 +45,11 @@ class Linear(nnx.Module):
     a LoRA adapter stay in the compute dtype. A kernel that is a frozen `Fp8Weight` (E4M3 values
     and 128 x 128 scales, e.g. DeepSeek-V3's checkpoint loaded as it ships) is used as stored:
     `pallas_kernels.fp8.frozen.fp8_linear_frozen` (forward and dgrad, no wgrad), under a mesh on
-    each device's tokens and weight shard (`sharding.fp8_linear.fp8_linear_frozen_from_context`)."""
+    each device's tokens and weight shard (`sharding.fp8_linear.fp8_linear_frozen_from_context`).
+    A kernel that is a stored E4M3 copy (`pallas_kernels.fp8.stored.Fp8Copy`: the train state's
+    compute copy on one device, `dsjax.train.step.compute_copy`) goes to the same FP8 linear,
+    which reads its blocks instead of quantising and gives its gradient carrier the kernel's
+    gradient."""
 
     def __init__(self, d_in: int, d_out: int, axes: tuple, cfg: ModelConfig, *, rngs: nnx.Rngs,
                  bias: bool = False, fp8: bool = True):

@@ -200,7 +200,9 @@ class MoE(nnx.Module):
             pairs, s = self.experts.pairs(dt)
             rate = self.experts.rate()
 
-        fp8 = c.fp8 == "blockwise"  # quantised from the weights themselves, not a cast copy
+        # FP8: each w is the weight itself, quantised in the GEMM (not a cast copy), or the train
+        # state's stored E4M3 copy of it (`pallas_kernels.fp8.stored.Fp8Copy`), read as stored
+        fp8 = c.fp8 == "blockwise"
         # unrolled layers: each w is a slice of its parameter stack, alive through the backward,
         # which quantises it again instead of holding the forward's E4M3 copy; a scanned layer's
         # w would be stacked whole as a residual

@@ -46,8 +46,9 @@ from dsjax.hf import load_hf_params
 from dsjax.train import finetune, runs
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
-from dsjax.train.step import (COPY_KEY, checkpointed, compute_copy, init_model, init_state, initial_loss_scale,
-                              make_eval_step, make_train_step)
+from dsjax.train.step import (COPY_KEY, checkpointed, compute_copy, copied_fp8_paths, init_model, init_state,
+                              initial_loss_scale, make_eval_step, make_train_step)
+from pallas_kernels.fp8.stored import Fp8Copy
 from sharding import distributed as sdist
 from sharding import rules as shr
 from sharding.mesh import make_mesh
@@ -152,17 +153,33 @@ def state_shardings(fns, tx, par: Parallel, abstract_state: dict) -> dict:
         out["frozen"] = shr.tree_shardings(sel(p_logical, abstract_state["frozen"]), abstract_state["frozen"],
                                            par.mesh, par.rules)
     out["opt"] = shr.optimizer_shardings(tx, abstract_state["opt"], p_sh, par.mesh)
-    if COPY_KEY in abstract_state:  # the compute-dtype copy: sharded as the params it casts
-        out[COPY_KEY] = jax.tree.map(lambda c, s: None if c is None else s, abstract_state[COPY_KEY], p_sh,
-                                     is_leaf=lambda x: x is None)
+    if COPY_KEY in abstract_state:  # the compute-dtype copy: sharded as the params it casts;
+        # stored FP8 copies (one device only, `fp8_copy_paths`) replicated
+        def copy_sharding(c, s):
+            if isinstance(c, Fp8Copy):
+                return jax.tree.map(lambda _: rep, c)
+            return None if c is None else s
+        out[COPY_KEY] = jax.tree.map(copy_sharding, abstract_state[COPY_KEY], p_sh,
+                                     is_leaf=lambda x: x is None or isinstance(x, Fp8Copy))
     return out
+
+
+def fp8_copy_paths(fns, par: Parallel) -> frozenset[tuple[str, ...]]:
+    """The params whose compute copy in the train state is their stored E4M3 copy (`init_state`'s
+    fp8_paths): every weight an FP8 GEMM consumes (`ModelFns.fp8_weight_paths`) where it enters
+    the GEMM whole, i.e. on one device. Under a mesh of several devices the FP8 GEMMs run inside
+    `shard_map` on each device's gathered or split weight (`sharding.fp8_linear`,
+    `sharding.expert_parallel`), which quantises it there: those weights keep the compute-dtype
+    copy (empty set)."""
+    return fns.fp8_weight_paths() if par.mesh.size == 1 else frozenset()
 
 
 def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, frozen=None,
                  compute_dtype=None):
     """Place params/rest (and the frozen leaves, if any) and build the optimizer state of
     `params` in their shardings; `compute_dtype` as in `init_state` (the training loop passes
-    `model.dtype`, so fp32 master weights keep their compute-dtype copy in the state).
+    `model.dtype`, so fp32 master weights keep their compute-dtype copy in the state, the
+    weights of the FP8 GEMMs as their stored E4M3 copy where `fp8_copy_paths` says so).
 
     The placed params, rest and frozen leaves become the state's own arrays, not copies (a copy
     would hold the params twice while the optimizer state and the compute copy are built, above
@@ -170,7 +187,9 @@ def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, 
     after the first (donating) train step.
 
     Returns (state, shardings)."""
-    init = lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f, compute_dtype=compute_dtype)  # noqa: E731
+    fp8 = fp8_copy_paths(fns, par)
+    init = lambda p, r, f: init_state(p, r, tx, loss_scale, frozen=f, compute_dtype=compute_dtype,  # noqa: E731
+                                      fp8_paths=fp8)
     abstract = jax.eval_shape(init, params, rest, frozen)
     sh = state_shardings(fns, tx, par, abstract)
     placed = {"params": jax.device_put(params, sh["params"]), "rest": jax.device_put(rest, sh["rest"])}
@@ -184,12 +203,14 @@ def create_state(fns, params, rest, tx, par: Parallel, loss_scale: float = 1.0, 
 
 def restore_state(ckpt: Checkpointer, state: dict, shardings: dict, step: int, compute_dtype):
     """`ckpt`'s checkpoint `step` (verified) restored into the layout of `state`, with the
-    compute-dtype copy (which checkpoints leave out) cast again from the restored params.
+    compute-dtype copy (which checkpoints leave out) cast again from the restored params (its
+    stored FP8 copies quantised again).
 
     Returns (state, data_state, step)."""
     restored, data_state, _, start = ckpt.restore(abstract_like(checkpointed(state)), step, verified=True)
     if COPY_KEY in state:
-        restored[COPY_KEY] = jax.jit(lambda p: compute_copy(p, compute_dtype),
+        fp8 = copied_fp8_paths(state[COPY_KEY])
+        restored[COPY_KEY] = jax.jit(lambda p: compute_copy(p, compute_dtype, fp8),
                                      out_shardings=shardings[COPY_KEY])(restored["params"])
     return restored, data_state, start
 

@@ -38,6 +38,8 @@ from dsjax.model.mtp import mtp_targets
 from dsjax.model.moe import EXPERT_PROJS, expert_grad_sinks, update_router_bias
 from dsjax.train import finetune
 from dsjax.train.finetune import grad_group_norms, token_counts
+from pallas_kernels.fp8.api import fp8_copy
+from pallas_kernels.fp8.stored import Fp8Copy
 from pallas_kernels.moe import dw_sq_shape
 from sharding import rules as shr
 
@@ -57,12 +59,14 @@ def initial_loss_scale(cfg: Config) -> float:
 
 
 def init_state(params, rest, tx: optax.GradientTransformation, loss_scale: float = 1.0,
-               frozen=None, compute_dtype=None) -> dict:
+               frozen=None, compute_dtype=None, fp8_paths=frozenset()) -> dict:
     """The train state of fresh params; `loss_scale`: `initial_loss_scale(cfg)` for training.
     `frozen`: leaves that do not train (`dsjax.train.finetune`), kept under "frozen" with no
     optimizer state; None: every param trains. `compute_dtype` (the model's `dtype`): where some
     params are kept in another dtype (fp32 master weights), the state also holds their cast
-    (COPY_KEY, `compute_copy`), which the train step reads and renews; None: it casts every step."""
+    (COPY_KEY, `compute_copy`), which the train step reads and renews; None: it casts every step.
+    `fp8_paths`: params whose copy is their stored E4M3 copy instead (`compute_copy`; the
+    training loop passes `dsjax.train.loop.fp8_copy_paths`)."""
     state = {
         "params": params,
         "rest": rest,
@@ -77,7 +81,7 @@ def init_state(params, rest, tx: optax.GradientTransformation, loss_scale: float
     if frozen is not None:
         state["frozen"] = frozen
     if compute_dtype is not None:
-        copy = compute_copy(params, compute_dtype)
+        copy = compute_copy(params, compute_dtype, fp8_paths)
         if jax.tree.leaves(copy):
             state[COPY_KEY] = copy
     return state
@@ -101,8 +105,15 @@ FP32_GRAD_LEAVES = ("embed_tokens", "gate")
 # weights are kept in another dtype. The step reads it instead of casting every master weight
 # again (a read of 4 and a write of 2 bytes per fp32 parameter), and the optimizer's fused update
 # writes the next one (2 bytes more per parameter in a pass that already writes the master
-# weights and moments). Checkpoints leave it out: it is the cast of the params, rebuilt on restore.
+# weights and moments). The weights of the FP8 GEMMs may be held as their E4M3 copy instead
+# (`Fp8Copy`: both block layouts, 2 bytes per parameter, and the block scales), quantised from
+# the updated master weights after the update, so that the step quantises no weight.
+# Checkpoints leave it out: it is a function of the params, rebuilt on restore.
 COPY_KEY = "compute_params"
+
+
+def _is_copy(x) -> bool:
+    return x is None or isinstance(x, Fp8Copy)
 
 
 def _is_cast(path, x, dtype) -> bool:
@@ -111,12 +122,29 @@ def _is_cast(path, x, dtype) -> bool:
             and x.dtype != jnp.dtype(dtype))
 
 
-def compute_copy(params, dtype):
+def compute_copy(params, dtype, fp8_paths=frozenset()):
     """The params that the forward reads in the compute `dtype`, cast to it; None where a leaf is
     used as it is (FP32_GRAD_LEAVES, integer leaves, leaves already in `dtype`). The same tree
-    structure as `params`, with None leaves."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: x.astype(dtype) if _is_cast(path, x, dtype) else None, params)
+    structure as `params`, with None leaves.
+
+    fp8_paths: paths (tuples of dict keys) of weights [..., K, N] whose copy is their stored
+      E4M3 copy (`pallas_kernels.fp8.api.fp8_copy`, quantised from the param itself, e.g. the
+      fp32 master weight, not from its cast) instead of the cast: the weights an FP8 GEMM takes
+      whole (`dsjax.train.loop.fp8_copy_paths`). A leaf that would not be cast (already in
+      `dtype`) gets no copy of either kind."""
+    def leaf(path, x):
+        if not _is_cast(path, x, dtype):
+            return None
+        return fp8_copy(x) if lora_mod.path_names(path) in fp8_paths else x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(leaf, params)
+
+
+def copied_fp8_paths(copy) -> frozenset[tuple[str, ...]]:
+    """The paths of a `compute_copy` tree's stored E4M3 copies (its `fp8_paths`)."""
+    if copy is None:
+        return frozenset()
+    flat = jax.tree_util.tree_flatten_with_path(copy, is_leaf=_is_copy)[0]
+    return frozenset(lora_mod.path_names(p) for p, x in flat if isinstance(x, Fp8Copy))
 
 
 def compute_weights(params, dtype, copy=None):
@@ -125,11 +153,29 @@ def compute_weights(params, dtype, copy=None):
     out in the compute dtype and the cast runs once per step, not once per use; the values the
     model sees are the ones its own `astype(dtype)` casts give.
 
-    copy: `compute_copy(params, dtype)` kept in the train state (COPY_KEY); its leaves are used
-      instead of casting `params` again. None: cast here."""
+    copy: `compute_copy(params, dtype[, fp8_paths])` kept in the train state (COPY_KEY); its
+      leaves are used instead of casting `params` again; a stored E4M3 copy's weight becomes its
+      gradient carrier, zeros [..., K, N] in `dtype` that the forward never reads (the model
+      reads the copy, joined in by `with_fp8_copies`). None: cast here."""
     if copy is None:
         copy = compute_copy(params, dtype)
-    return jax.tree.map(lambda c, p: p if c is None else c, copy, params, is_leaf=lambda x: x is None)
+
+    def leaf(c, p):
+        if isinstance(c, Fp8Copy):
+            return jnp.zeros(p.shape, dtype)
+        return p if c is None else c
+    return jax.tree.map(leaf, copy, params, is_leaf=_is_copy)
+
+
+def with_fp8_copies(weights, copy):
+    """`compute_weights`' tree with each gradient carrier replaced by its stored E4M3 copy
+    holding the carrier (`Fp8Copy.with_grad`): what the model reads. The FP8 GEMMs give the
+    carrier the weight's gradient, so differentiating `weights` through this gives the same
+    gradient tree as for cast weights. copy None: weights."""
+    if copy is None or not copied_fp8_paths(copy):
+        return weights
+    return jax.tree.map(lambda c, w: c.with_grad(w) if isinstance(c, Fp8Copy) else w, copy, weights,
+                        is_leaf=_is_copy)
 
 
 def checkpointed(state: dict) -> dict:
@@ -205,8 +251,13 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
                 aux["mtp_expert_counts"] = jnp.stack([st["expert_counts"] for st in mtp_stats])
         return lm_obj + obj * scale, (nll_sum, aux)
 
-    # differentiates the trainable params only; frozen leaves and the LoRA dropout key ride along
-    grad_fn = jax.value_and_grad(lora_mod.with_frozen(micro_loss), has_aux=True)
+    # differentiates the trainable params only; frozen leaves, stored FP8 copies and the LoRA
+    # dropout key ride along
+    def weights_loss(weights, rest, mb, *args, copy=None, frozen=None, key=None):
+        return lora_mod.with_frozen(micro_loss)(with_fp8_copies(weights, copy), rest, mb, *args,
+                                                frozen=frozen, key=key)
+
+    grad_fn = jax.value_and_grad(weights_loss, has_aux=True)
 
     def expert_sinks(weights):
         """({name: uninitialised ref [L * E, in, out]}, {name: its squares' ref}) for the
@@ -267,7 +318,8 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         if drop_keys is not None:
             batch = dict(batch, lora_key=drop_keys)
         copy = state.get(COPY_KEY)
-        if copy is not None and any(x.dtype != compute_dtype for x in jax.tree.leaves(copy)):
+        if copy is not None and any(x is not None and not isinstance(x, Fp8Copy) and x.dtype != compute_dtype
+                                    for x in jax.tree.leaves(copy, is_leaf=_is_copy)):
             raise ValueError(f"train_step: state[{COPY_KEY!r}] is not in model.dtype={mcfg.dtype}")
         weights = compute_weights(params, compute_dtype, copy)
         scale = state["loss_scale"] if fp16 else jnp.asarray(1.0, jnp.float32)
@@ -281,7 +333,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         def body(carry, mb):
             g_acc, nll_acc, aux_acc = carry
             (_, (nll_sum, aux)), g = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total, n_real,
-                                             frozen=frozen, key=mb.get("lora_key"))
+                                             copy=copy, frozen=frozen, key=mb.get("lora_key"))
             g_acc = jax.tree.map(lambda a, b: a + b.astype(jnp.float32), g_acc, g)
             aux_acc = jax.tree.map(lambda a, b: a + b, aux_acc, aux)
             return (g_acc, nll_acc + nll_sum, aux_acc), None
@@ -300,7 +352,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             dw_refs, sq_refs = expert_sinks(weights)
             with expert_grad_sinks(dw_refs, sq_refs) as used:
                 (_, (nll_sum, aux)), grads = grad_fn(weights, rest, mb, n_total, scale, n_mtp_total,
-                                                     n_real, frozen=frozen, key=mb.get("lora_key"))
+                                                     n_real, copy=copy, frozen=frozen, key=mb.get("lora_key"))
             grads, sunk_sq = take_sunk(grads, dw_refs, sq_refs, used)
             aux = jax.tree.map(lambda a, b: a + b, aux0, aux)
         else:
@@ -340,8 +392,8 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
         else:
             new_state["params"] = keep(new_params, params)
             new_state["opt"] = keep(new_opt, state["opt"])
-        if copy is not None:  # fused by XLA into the update pass that writes the params
-            new_state[COPY_KEY] = compute_copy(new_state["params"], compute_dtype)
+        if copy is not None:  # the casts fused by XLA into the update pass that writes the params
+            new_state[COPY_KEY] = compute_copy(new_state["params"], compute_dtype, copied_fp8_paths(copy))
         new_state["step"] = state["step"] + ok.astype(jnp.int32)
         if noaux:
             bias = rest["moe_layers"]["mlp"]["e_score_correction_bias"]

@@ -48,6 +48,12 @@ Backends (`impl`):
                in the backward for the dgrad. The grouped forward / dgrad activation
                operands are quantised in XLA (reference.py).
   "auto":      "mosaic" on a Hopper GPU, else "reference".
+
+Stored weights. Where the weight's E4M3 copy is written once per optimizer step (the train
+state's compute copy, `dsjax.train.step.compute_copy`), w is given as that copy
+(`fp8_copy(w)`, a `stored.Fp8Copy` of both block layouts and their scales, plus a gradient
+carrier): the forward and dgrad read its blocks and nothing is quantised; the wgrad is as above,
+its dw given to the carrier.
 """
 from __future__ import annotations
 
@@ -59,6 +65,7 @@ import jax.numpy as jnp
 from pallas_kernels._hopper import on_hopper
 from pallas_kernels.fp8 import mosaic_gemm, mosaic_grouped_wgrad, mosaic_wgrad, quantize
 from pallas_kernels.fp8 import reference as ref
+from pallas_kernels.fp8.stored import Fp8Copy
 from pallas_kernels.moe.api import check_dw_sink, store_dw
 from pallas_kernels.moe.reference import grouped_matmul_reference
 from pallas_kernels.moe.routing import swiglu_grads, swiglu_value
@@ -174,10 +181,51 @@ def _quantize_weight_one(backend, w, transposed: bool):
     return (jnp.swapaxes(q, -1, -2), jnp.swapaxes(s, -1, -2)) if transposed else (q, s)
 
 
+def fp8_copy(w, *, impl: str = "auto") -> Fp8Copy:
+    """w [..., K, N] (a weight [K, N], experts [E, K, N], or either stacked over layers; float32 /
+    bfloat16 / float16) as its stored E4M3 copy (`stored.Fp8Copy`, no gradient carrier): per
+    matrix, `_quantize_weight`'s blocks from one read of w ("mosaic": one launch over every
+    matrix, padded to multiples of 128 as the kernels take them; "reference": unpadded).
+
+    Raises:
+      ValueError: w of fewer than 2 dims, or impl unknown."""
+    if w.ndim < 2:
+        raise ValueError(f"fp8_copy: want w [..., K, N], got {list(w.shape)}")
+    lead = w.shape[:-2]
+    mats = w if w.ndim <= 3 else w.reshape((-1,) + w.shape[-2:])
+    w_q, w_s, wt_q, _ = _quantize_weight(resolve_impl(impl), mats)
+    return Fp8Copy(*(a.reshape(lead + a.shape[-2:]) for a in (w_q, w_s, wt_q)))
+
+
+def _meta(w):
+    """What the backward keeps of w for its gradient's shape (after the first dim) and dtype: a
+    0-row slice of w, or for a stored copy an `Fp8Copy` of its carrier's 0-row slice alone."""
+    if isinstance(w, Fp8Copy):
+        return Fp8Copy(None, None, None, w.grad[:0])
+    return w[:0]
+
+
+def _weight_grad(w_meta, dw):
+    """dw as the cotangent of the weight that `_meta` describes: dw itself, or for a stored copy
+    an `Fp8Copy` whose carrier gets dw and whose blocks and scales get zeros (None)."""
+    return Fp8Copy(None, None, None, dw) if isinstance(w_meta, Fp8Copy) else dw
+
+
+def _requant(w, requantize_weight) -> bool:
+    """`requantize_weight` for an array w; False for a stored copy (nothing to quantise)."""
+    return bool(requantize_weight) and not isinstance(w, Fp8Copy)
+
+
 def _forward_weight(backend, w, requant):
     """(wt_q, wt_s, held_q, held_s): the forward's transposed blocks of w and what the backward
     keeps for its dgrad: the stored blocks (one read of w for both), or with requant w itself
-    (and None), quantised again there by `_dgrad_weight`."""
+    (and None), quantised again there by `_dgrad_weight`. A stored copy (`Fp8Copy`) gives its
+    own blocks and nothing is quantised (requant must then be False); "reference" reads them
+    without the "mosaic" layout's padding."""
+    if isinstance(w, Fp8Copy):
+        k, n = w.shape[-2:]
+        q, qt = (w.q, w.qt) if backend == "mosaic" else (w.q[..., :k, :n], w.qt[..., :n, :k])
+        return qt, jnp.swapaxes(w.s, -1, -2), q, w.s
     if requant:
         return _quantize_weight_one(backend, w, transposed=True) + (w, None)
     w_q, w_s, wt_q, wt_s = _quantize_weight(backend, w)
@@ -194,7 +242,7 @@ def _fp8_matmul_fwd(x, w, backend, requant):
     wt_q, wt_s, w_q, w_s = _forward_weight(backend, w, requant)  # w^T [N, K], [Nb, Kb]; kept
     y = gemm_nt(backend, x_q, x_s, wt_q, wt_s, x.dtype)[:x.shape[0], :w.shape[1]]
     y, w_q, xt_q = _in_order(backend, y, w_q, xt_q)
-    return y, (xt_q, xt_s, w_q, w_s, x[:0], w[:0])
+    return y, (xt_q, xt_s, w_q, w_s, x[:0], _meta(w))
 
 
 def _fp8_matmul_bwd(backend, requant, res, dy):
@@ -207,7 +255,7 @@ def _fp8_matmul_bwd(backend, requant, res, dy):
     dx = gemm_nt(backend, dy_q, dy_s, w_q, w_s, x_meta.dtype)[:dy.shape[0], :k]
     dx, dyt_q = _in_order(backend, dx, dyt_q)
     dw = _wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, w_meta.dtype)[:k, :n]
-    return dx, dw
+    return dx, _weight_grad(w_meta, dw)
 
 
 _fp8_matmul.defvjp(_fp8_matmul_fwd, _fp8_matmul_bwd)
@@ -220,14 +268,18 @@ def fp8_linear(x, w, *, impl: str = "auto", requantize_weight: bool = False):
       x: [..., K] in the compute dtype (float32 / bfloat16 / float16).
       w: [K, N] (dsjax's `Linear` kernel layout, [in, out]) in any float dtype ("mosaic":
         float32 / bfloat16 / float16) (the master weight; it is quantised from its own values,
-        not from a cast copy).
+        not from a cast copy); or its stored E4M3 copy (`fp8_copy`'s `Fp8Copy` with a gradient
+        carrier [K, N]): its blocks are read as stored (bitwise the blocks the array would be
+        quantised to), nothing is quantised, and the carrier gets w's gradient.
       impl: "auto" | "reference" | "mosaic" (module docstring).
       requantize_weight: False: the dgrad's E4M3 copy of w and its scales are kept from the
         forward for the backward; True: w itself is kept and quantised again in the backward
         (as `fp8_grouped_gemm`'s: for a w that stays alive anyway, a parameter or its slice).
+        Ignored for a stored copy (the backward reads its blocks).
     Returns:
       [..., N] in x.dtype. Differentiable in x (gradient in x.dtype) and w (gradient in
-      w.dtype); the three GEMMs quantise as DeepSeek-V3 sec. 3.3 (module docstring).
+      w.dtype; a stored copy's carrier in the carrier's dtype, its blocks get zeros); the three
+      GEMMs quantise as DeepSeek-V3 sec. 3.3 (module docstring).
     Raises:
       ValueError: x's last dim is not w's first, w is not 2-D, or impl is unknown.
     """
@@ -236,7 +288,7 @@ def fp8_linear(x, w, *, impl: str = "auto", requantize_weight: bool = False):
                          f"(want x [..., K], w [K, N])")
     backend = resolve_impl(impl)
     lead = x.shape[:-1]
-    y = _fp8_matmul(x.reshape(-1, x.shape[-1]), w, backend, bool(requantize_weight))
+    y = _fp8_matmul(x.reshape(-1, x.shape[-1]), w, backend, _requant(w, requantize_weight))
     return y.reshape(*lead, w.shape[1])
 
 
@@ -328,7 +380,7 @@ def _fp8_gmm_fwd(x, w, group_sizes, backend, requant):
     y = _grouped_gemm_nt(backend, x_q, x_s, wt_q, wt_s, group_sizes, x.dtype)[:, :w.shape[2]]
     y, x = _in_order(backend, y, x)  # the quantisation kernel after the forward's
     xt_q, xt_s = _grouped_wgrad_operand(backend, x, group_sizes)
-    return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], w[:0])
+    return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], _meta(w))
 
 
 def _fp8_gmm_bwd(backend, requant, res, dy, sink=None):
@@ -345,7 +397,7 @@ def _fp8_gmm_bwd(backend, requant, res, dy, sink=None):
         return _sunk_marker(backend, sink, dx), None, None
     dw = _grouped_wgrad(backend, xt_q, xt_s, dyt_q, dyt_s, group_sizes, dy.shape[0],
                         w_q.shape[:1] + w_meta.shape[1:], w_meta.dtype)
-    return dx, dw, None
+    return dx, _weight_grad(w_meta, dw), None
 
 
 _fp8_gmm.defvjp(_fp8_gmm_fwd, _fp8_gmm_bwd)
@@ -367,7 +419,9 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None,
 
     Args:
       x: [M, K] in the compute dtype, rows sorted by expert; w: [E, K, N] ([in, out] per
-        expert), any float dtype ("mosaic": float32 / bfloat16 / float16); group_sizes: [E]
+        expert), any float dtype ("mosaic": float32 / bfloat16 / float16), or its stored E4M3
+        copy (`fp8_copy`'s `Fp8Copy` with a carrier [E, K, N], as in `fp8_linear`: nothing
+        quantised, the carrier gets w's gradient, requantize_weight ignored); group_sizes: [E]
         int, sum <= M (rows past the sum give zeros and get zero gradients; empty experts
         allowed).
       impl: "auto" | "reference" | "mosaic" (module docstring; `resolve_impl`).
@@ -396,7 +450,7 @@ def fp8_grouped_gemm(x, w, group_sizes, *, impl: str = "auto", dw_sink=None,
         raise ValueError(f"fp8_grouped_gemm: x {list(x.shape)}, w {list(w.shape)}, group_sizes "
                          f"{list(group_sizes.shape)} do not fit (want x [M, K], w [E, K, N], [E])")
     gmm = _fp8_gmm if dw_sink is None else _fp8_gmm_sinking(check_dw_sink(dw_sink, w))
-    return gmm(x, w, group_sizes.astype(jnp.int32), resolve_impl(impl), bool(requantize_weight))
+    return gmm(x, w, group_sizes.astype(jnp.int32), resolve_impl(impl), _requant(w, requantize_weight))
 
 
 # ----------------------------------------------------------------------------- SwiGLU
