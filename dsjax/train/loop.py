@@ -47,7 +47,7 @@ from dsjax.train import finetune, runs
 from dsjax.train.metrics import MetricsWriter, device_peak_flops, flops_per_token
 from dsjax.train.optim import build_optimizer
 from dsjax.train.step import (COPY_KEY, checkpointed, compute_copy, copied_fp8_paths, init_model, init_state,
-                              initial_loss_scale, make_eval_step, make_train_step)
+                              initial_loss_scale, is_copy_leaf, make_eval_step, make_train_step)
 from pallas_kernels.fp8.stored import Fp8Copy
 from sharding import distributed as sdist
 from sharding import rules as shr
@@ -160,7 +160,7 @@ def state_shardings(fns, tx, par: Parallel, abstract_state: dict) -> dict:
                 return jax.tree.map(lambda _: rep, c)
             return None if c is None else s
         out[COPY_KEY] = jax.tree.map(copy_sharding, abstract_state[COPY_KEY], p_sh,
-                                     is_leaf=lambda x: x is None or isinstance(x, Fp8Copy))
+                                     is_leaf=is_copy_leaf)
     return out
 
 

@@ -112,7 +112,9 @@ FP32_GRAD_LEAVES = ("embed_tokens", "gate")
 COPY_KEY = "compute_params"
 
 
-def _is_copy(x) -> bool:
+def is_copy_leaf(x) -> bool:
+    """A leaf of a `compute_copy` tree: None (no copy), or a stored E4M3 copy (`Fp8Copy`, a
+    pytree that the tree's maps must not enter); arrays are leaves anyway."""
     return x is None or isinstance(x, Fp8Copy)
 
 
@@ -143,7 +145,7 @@ def copied_fp8_paths(copy) -> frozenset[tuple[str, ...]]:
     """The paths of a `compute_copy` tree's stored E4M3 copies (its `fp8_paths`)."""
     if copy is None:
         return frozenset()
-    flat = jax.tree_util.tree_flatten_with_path(copy, is_leaf=_is_copy)[0]
+    flat = jax.tree_util.tree_flatten_with_path(copy, is_leaf=is_copy_leaf)[0]
     return frozenset(lora_mod.path_names(p) for p, x in flat if isinstance(x, Fp8Copy))
 
 
@@ -164,7 +166,7 @@ def compute_weights(params, dtype, copy=None):
         if isinstance(c, Fp8Copy):
             return jnp.zeros(p.shape, dtype)
         return p if c is None else c
-    return jax.tree.map(leaf, copy, params, is_leaf=_is_copy)
+    return jax.tree.map(leaf, copy, params, is_leaf=is_copy_leaf)
 
 
 def with_fp8_copies(weights, copy):
@@ -175,7 +177,7 @@ def with_fp8_copies(weights, copy):
     if copy is None or not copied_fp8_paths(copy):
         return weights
     return jax.tree.map(lambda c, w: c.with_grad(w) if isinstance(c, Fp8Copy) else w, copy, weights,
-                        is_leaf=_is_copy)
+                        is_leaf=is_copy_leaf)
 
 
 def checkpointed(state: dict) -> dict:
@@ -319,7 +321,7 @@ def make_train_step(cfg: Config, fns: ModelFns, tx: optax.GradientTransformation
             batch = dict(batch, lora_key=drop_keys)
         copy = state.get(COPY_KEY)
         if copy is not None and any(x is not None and not isinstance(x, Fp8Copy) and x.dtype != compute_dtype
-                                    for x in jax.tree.leaves(copy, is_leaf=_is_copy)):
+                                    for x in jax.tree.leaves(copy, is_leaf=is_copy_leaf)):
             raise ValueError(f"train_step: state[{COPY_KEY!r}] is not in model.dtype={mcfg.dtype}")
         weights = compute_weights(params, compute_dtype, copy)
         scale = state["loss_scale"] if fp16 else jnp.asarray(1.0, jnp.float32)
