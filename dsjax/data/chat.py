@@ -406,9 +406,12 @@ def build_dataset(paths: Sequence[os.PathLike | str], tok: ChatTokenizer, seq_le
 
 def split_dataset(ds: ChatDataset, val_fraction: float, seed: int = 0
                   ) -> tuple[ChatDataset, ChatDataset]:
-    """(train, val) by a stable hash of ``f"{seed}:{file:line}"``; val_fraction in [0, 1)."""
-    h = [int.from_bytes(hashlib.sha256(f"{seed}:{w}".encode()).digest()[:8], "big") / 2.0**64
-         for w in ds.where]
+    """(train, val) by a stable hash of ``f"{seed}:{file name}:{line}"``; val_fraction in [0, 1).
+
+    The file's directory is left out of the hash, so the split stays the same when the data
+    moves (another mount point, another host, a relative path from another directory)."""
+    h = [int.from_bytes(hashlib.sha256(f"{seed}:{os.path.basename(w)}".encode()).digest()[:8],
+                        "big") / 2.0**64 for w in ds.where]
     val = [i for i, x in enumerate(h) if x < val_fraction]
     train = [i for i, x in enumerate(h) if x >= val_fraction]
     return ds.subset(train), ds.subset(val)
@@ -549,7 +552,7 @@ def build_loaders(train_paths: Sequence[os.PathLike | str],
     """(tokenizer, train loader of ``rows`` rows, validation loader of ``val_rows`` rows or None).
 
     Without ``val_paths``, a ``val_fraction`` of the training conversations (stable hash of
-    file:line) is held out for validation. Parquet files are checked before the tokenizer is
+    file name and line, see ``split_dataset``) is held out for validation. Parquet files are checked before the tokenizer is
     loaded; errors as ``build_dataset`` (named ``data.train`` / ``data.validation``).
     """
     check_files(list(train_paths) + list(val_paths))

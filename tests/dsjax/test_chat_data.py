@@ -399,6 +399,13 @@ def test_build_loaders_holds_out_validation(v3, tmp_path):
                                          val_fraction=0.25, truncation="drop_turns")
     assert len(train.ds) + len(val.ds) == 60 and 0 < len(val.ds) < 30
     assert not set(train.ds.where) & set(val.ds.where)
+    # the split follows the file's name and line, not the directory it was read from
+    moved = tmp_path / "elsewhere" / "c.jsonl"
+    moved.parent.mkdir()
+    moved.write_bytes(f.read_bytes())
+    again = chat.build_loaders([moved], [], v3.path, seq_len=48, rows=4, val_rows=2,
+                               val_fraction=0.25, truncation="drop_turns")[2]
+    assert [w.split(":")[-1] for w in again.ds.where] == [w.split(":")[-1] for w in val.ds.where]
     b = next(train)
     assert b["inputs"].shape == (4, 48) and b["loss_mask"].sum() > 0
     # two processes: each gets its half of the same global batch
