@@ -8,8 +8,6 @@ forward / dgrad kernel and, in its "rows" scale mode, the dense weight gradient 
 """
 from __future__ import annotations
 
-import functools
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
@@ -124,98 +122,3 @@ def store_tiles(totals, out_smem, o_ref, wg, r0, c0, out_dtype, rows=None):
                         plgpu.commit_smem()
                         _store_rows(row_major, dst, wlo, whi, WG_ROWS)
             i += 1
-
-
-def compute_registers(memory_registers: int) -> int:
-    """Registers per thread of each of two compute warpgroups when the TMA warpgroup keeps
-    `memory_registers` (emit_pipeline_warp_specialized's split of the 64 K register file: what
-    is left, halved, capped at 256 and rounded down to a multiple of 8)."""
-    return int(min(256, (512 - memory_registers) // 2) // 8 * 8)
-
-
-def ring_allocs(a_shape, b_shape, n_stages, cluster: bool):
-    """Shared memory and barriers of `ring_pipeline`: the fp8 rings a [n_stages, *a_shape] and
-    b [n_stages, *b_shape], and per slot a "produced" barrier (both tiles landed) and a
-    "consumed" barrier (both compute warpgroups done; across the 2-CTA cluster when `cluster`)."""
-    consumed = (functools.partial(plgpu.ClusterBarrier, collective_axes=("cluster",))
-                if cluster else plgpu.Barrier)
-    tr = transforms(BLOCK, FP8)
-    return (plgpu.SMEM((n_stages, *a_shape), FP8, transforms=tr),
-            plgpu.SMEM((n_stages, *b_shape), FP8, transforms=tr),
-            plgpu.Barrier(num_arrivals=2, num_barriers=n_stages),
-            consumed(num_arrivals=2, num_barriers=n_stages))
-
-
-def ring_pipeline(n_items, item, allocs, *, wg, memory_registers):
-    """A persistent CTA's work items on one ring of operand stages (`ring_allocs`), shared by
-    all of its items, instead of a warp-specialized pipeline per item (which the TMA warpgroup
-    fills at the item's start and drains at its end).
-
-    Step c of the CTA's sequence (its active items in order, each with its own step count)
-    uses slot c % n_stages: the TMA warpgroup (wg 2) loads it once both compute warpgroups have
-    released the slot's previous step, c - n_stages, so it runs ahead into the next item while
-    they finish and store one; the compute warpgroups (wg 0, 1) wait for the step's two tiles,
-    run the item's body on them and release the slot. Both sides see the same items and step
-    counts, so they agree on every slot and barrier phase.
-
-    n_items: work items, spread over the "sm" grid axis (`plgpu.nd_loop`).
-    item(lin): (steps, active, load, body, program) of work item lin. steps: its step count
-      (int32, may be 0); active: None or a bool (False: nothing loaded, program not run);
-      load(s, a_dst, b_dst, barrier): issue step s's two TMA copies into the slot's tiles,
-      each arriving on `barrier`; body((s,), a_smem, b_smem, carry) -> carry: one step on
-      the landed tiles (its wgmma complete when it returns); program(run): the item's
-      compute and store, where run(init) gives the final carry of body over the steps.
-    """
-    a_ring, b_ring, produced, consumed = allocs
-    n_stages = a_ring.shape[0]
-
-    def over_items(per_item):
-        @plgpu.nd_loop((n_items,), collective_axes="sm", init_carry=jnp.int32(0))
-        def total(info, carry):
-            (lin,) = info.index
-            steps, active, load, body, program = item(lin)
-            run = functools.partial(per_item, carry, steps, load, body, program)
-            if active is None:
-                run()
-                return carry + steps
-            pl.when(active)(run)
-            return carry + jnp.where(active, steps, 0)
-        return total
-
-    @pl.when(wg == 2)
-    def _memory():
-        plgpu.set_max_registers(memory_registers, action="decrease")
-
-        def issue(count, steps, load, body, program):
-            @pl.loop(0, steps)
-            def _(s):
-                c = count + s
-                slot = lax.rem(c, n_stages)
-
-                @pl.when(c >= n_stages)
-                def _():
-                    plgpu.barrier_wait(consumed.at[slot])
-                load(s, a_ring.at[slot], b_ring.at[slot], produced.at[slot])
-
-        total = over_items(issue)
-
-        # the last steps' releases: afterwards no compute warpgroup (of this CTA or, in a
-        # cluster, of the other) arrives on a barrier here, and the CTA may exit
-        @pl.loop(jnp.maximum(total - n_stages, 0), total)
-        def _(c):
-            plgpu.barrier_wait(consumed.at[lax.rem(c, n_stages)])
-
-    @pl.when(wg < 2)
-    def _compute():
-        plgpu.set_max_registers(compute_registers(memory_registers), action="increase")
-
-        def compute(count, steps, load, body, program):
-            def step(s, carry):
-                slot = lax.rem(count + s, n_stages)
-                plgpu.barrier_wait(produced.at[slot])
-                carry = body((s,), a_ring.at[slot], b_ring.at[slot], carry)
-                plgpu.barrier_arrive(consumed.at[slot])
-                return carry
-            program(lambda init: lax.fori_loop(0, steps, step, init))
-
-        over_items(compute)

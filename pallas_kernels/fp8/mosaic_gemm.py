@@ -24,11 +24,7 @@ step are contiguous; they and the weight scale (one scalar per 128 columns and s
 from global memory before the step's wgmma is waited for. `Fp8Config.cluster` pairs CTAs in
 2-CTA clusters on two row tiles of one column tile ("m") or two column tiles of one row tile
 ("n"), the shared operand's tiles multicast to both by TMA (`collective_axes` of the pipeline's
-BlockSpec): half the L2 reads of that operand. By default each work item runs its own
-warp-specialized pipeline, which the TMA warpgroup fills at the item's start and drains at its
-end; `Fp8Config.ring` keeps one ring of stages for all of a CTA's items instead, the TMA
-warpgroup loading the next item's first steps while the compute warpgroups finish and store the
-current one (`mosaic_common.ring_pipeline`).
+BlockSpec): half the L2 reads of that operand.
 
 The same kernel serves the dense weight gradient (`mosaic_wgrad.fp8_gemm_1d1d`): with
 b_scales="rows" the B scales are per (row of b_q, 128 of K), read transposed [KB, N] as one
@@ -55,7 +51,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
 from pallas_kernels.fp8.mosaic_common import (
     BLOCK, EPI, FP8, ROW, TILE_M, WG_ROWS, WGMMA, fold_outer, fold_rows, load_outer_scales,
-    ring_allocs, ring_pipeline, stages, store_tiles, transforms, wg_product)
+    stages, store_tiles, transforms, wg_product)
 from pallas_kernels.moe.mosaic_gpu import row_tile_table
 
 
@@ -72,10 +68,7 @@ class Fp8Config:
       work item), "m" (dense only: 2-CTA clusters on two row tiles of the same column tile,
       its b_q tiles multicast to both by TMA) or "n" (two column tiles of the same row tile,
       its a_q tiles multicast): each shared operand read once from L2 for two CTAs; the
-      paired dimension's tile count must be even. ring: one ring of operand stages for all of
-      the CTA's work items (the TMA warpgroup runs ahead into the next item while the compute
-      warpgroups finish one and store it) instead of a pipeline per work item, which drains
-      and refills the ring at every item.
+      paired dimension's tile count must be even.
     """
     tile_n: int = 128
     max_concurrent_steps: int = 4
@@ -84,11 +77,9 @@ class Fp8Config:
     grid_minor: str = "n"
     grid_tile_width: int = 8
     cluster: str | None = None
-    ring: bool = False
 
 
 DEFAULT_CONFIG = Fp8Config()
-
 
 
 def check_operands(a_q, a_s, b_q, b_s, config=DEFAULT_CONFIG, group_sizes=None):
@@ -274,29 +265,22 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
         slot = (plgpu.RefUnion(plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr),
                                plgpu.SMEM((EPI, EPI), out_dtype)) if grouped
                 else plgpu.SMEM((EPI, EPI), out_dtype, transforms=out_tr))
-        if config.ring:
-            allocs = ring_allocs((TILE_M, BLOCK), (tn, BLOCK), n_stages, bool(cluster))
-        else:
-            allocs = make_pipeline(ignore, ignore).get_allocations(
-                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[0, pl.ds(0, tn), :])
 
         @functools.partial(
             pl.run_scoped,
-            allocs=allocs,
+            allocs=make_pipeline(ignore, ignore).get_allocations(
+                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[0, pl.ds(0, tn), :]),
             out_smem=tuple(tuple(slot for _ in range(2)) for _ in range(2)),
             collective_axes="wg",
         )
         def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
+
             cta = lax.axis_index("cluster") if cluster else 0
 
-            def geometry(lin):
-                """Work item lin: (row0, ni, gw, active, body, program). The item's a_q rows
-                start at row0, its b_q tile is column tile ni of weight gw; active: None
-                (dense) or whether the row tile holds rows (grouped). body(idx, a_smem, b_smem,
-                carry) -> carry is one contraction step; program(run), where run(init) gives
-                the final carry of body over the k_steps steps, computes and stores the item
-                (emit_pipeline's compute_context)."""
+            @plgpu.nd_loop((pm * pn,), collective_axes="sm")
+            def _item(info):
+                (lin,) = info.index
                 if grouped:
                     t, ni = lin // pn, lin % pn * csize + cta
                     g = table_ref[0, t]
@@ -359,7 +343,7 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
                         totals[s] = fold(totals[s], part, sa, sbs[s])
                     return tuple(totals)
 
-                def program(run):
+                def context(run):
                     zero = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
                     if overlap and rows:
                         total, prev = run((zero, zero))
@@ -374,33 +358,12 @@ def _call(a_q, a_st, b_q, b_s, table, out_dtype, config, b_scales="block", inter
                     store_tiles(totals, out_smem, o_ref, wg, r0, ni * tn, out_dtype,
                                 (wlo, whi) if grouped else None)
 
-                return row0, ni, gw, (hi > lo) if grouped else None, body, program
-
-            if config.ring:
-                def item(lin):
-                    row0, ni, gw, active, body, program = geometry(lin)
-
-                    def load(kb, a_dst, b_dst, barrier):
-                        cols = pl.ds(pl.multiple_of(kb * BLOCK, BLOCK), BLOCK)
-                        plgpu.copy_gmem_to_smem(a_ref.at[pl.ds(row0, TILE_M), cols], a_dst, barrier,
-                                                collective_axes=("cluster",) if cluster == "n" else None)
-                        plgpu.copy_gmem_to_smem(b_ref.at[gw, pl.ds(ni * tn, tn), cols], b_dst, barrier,
-                                                collective_axes=("cluster",) if cluster == "m" else None)
-                    return jnp.int32(k_steps), active, load, body, program
-                ring_pipeline(pm * pn, item, allocs, wg=wg, memory_registers=config.memory_registers)
-                return
-
-            @plgpu.nd_loop((pm * pn,), collective_axes="sm")
-            def _item(info):
-                (lin,) = info.index
-                row0, ni, gw, active, body, program = geometry(lin)
-
                 def pipeline():
-                    make_pipeline(body, program)(
+                    make_pipeline(body, context)(
                         a_ref.at[pl.ds(row0, TILE_M), :], b_ref.at[gw, pl.ds(ni * tn, tn), :],
                         allocations=allocs)
                 if grouped:
-                    pl.when(active)(pipeline)
+                    pl.when(hi > lo)(pipeline)
                 else:
                     pipeline()
 

@@ -44,8 +44,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels._hopper import default_interpret, lower_once, num_sms
 from pallas_kernels.fp8.mosaic_common import (
-    BLOCK, EPI, FP8, TILE_M, WG_ROWS, WGMMA, fold_outer, load_outer_scales, ring_allocs,
-    ring_pipeline, stages, store_tiles, transforms, wg_product)
+    BLOCK, EPI, FP8, TILE_M, WG_ROWS, WGMMA, fold_outer, load_outer_scales, stages, store_tiles,
+    transforms, wg_product)
 from pallas_kernels.fp8.reference import group_tiles
 
 
@@ -55,16 +55,11 @@ class WgradConfig:
 
     tile_n: CTA columns of dw, 128 or 256 (a warpgroup's fp32 sum is 64 x tile_n).
     max_concurrent_steps: shared-memory stages of the xt_q / dyt_q ring (capped by shared
-    memory). memory_registers: registers per thread of the TMA warpgroup. ring: one ring of
-    stages for all of a CTA's work items (`mosaic_common.ring_pipeline`: the TMA warpgroup
-    loads the next item's first token tiles while the compute warpgroups finish and store the
-    current one) instead of a pipeline per item, which fills and drains the ring at every item
-    (an expert's few token tiles each).
+    memory). memory_registers: registers per thread of the TMA warpgroup.
     """
     tile_n: int = 128
     max_concurrent_steps: int = 4
     memory_registers: int = 40
-    ring: bool = False
 
 
 DEFAULT_CONFIG = WgradConfig()
@@ -214,22 +209,22 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config, out_dtype, out, out_ro
 
         @functools.partial(
             pl.run_scoped,
-            allocs=(ring_allocs((TILE_M, BLOCK), (tn, BLOCK), n_stages, False) if config.ring
-                    else make_pipeline(ignore, ignore, one_i32, zero_i32).get_allocations(
-                        a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[pl.ds(0, tn), :])),
+            allocs=make_pipeline(ignore, ignore, one_i32, zero_i32).get_allocations(
+                a_ref.at[pl.ds(0, TILE_M), :], b_ref.at[pl.ds(0, tn), :]),
             out_smem=tuple(tuple(slot for _ in range(2)) for _ in range(2)),
             collective_axes="wg",
         )
         def _scope(allocs, out_smem):
             wg = lax.axis_index("wg")
 
-            def item(lin):
-                """Work item lin (expert, row tile of K, column tile of N): (first token
-                tile, steps, body, store, its two operand views)."""
+            @plgpu.nd_loop((e * k_iters * n_iters,), collective_axes="sm")
+            def _item(info):
+                (lin,) = info.index
                 g = lin // (k_iters * n_iters)
                 rem = lin % (k_iters * n_iters)
                 ki, ni = rem // n_iters, rem % n_iters
                 t0 = first_ref[g]
+                steps = count_ref[g]
                 r0 = ki * TILE_M + wg * WG_ROWS  # this warpgroup's first row of dw[g]
                 a_rows = pl.ds(pl.multiple_of(wg * WG_ROWS, WG_ROWS), WG_ROWS)
 
@@ -242,41 +237,21 @@ def _call(first, count, xt_q, xt_s, dyt_q, dyt_s, config, out_dtype, out, out_ro
                         totals[j] = fold_outer(totals[j], part, sa, sbs[j])
                     return tuple(totals)
 
+                def zeros():
+                    z = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
+                    return tuple(z for _ in range(n_sub))
+
                 def store(totals):
                     store_tiles(totals, out_smem, o_ref.at[row0 + g], wg, r0, ni * tn, out_dtype)
                     if sq_ref is not None:
                         _store_squares(totals, sq_ref.at[row0 + g], r0, ni * (tn // sq_width),
                                        sq_width, out_dtype)
 
-                views = (a_ref.at[pl.ds(ki * TILE_M, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :])
-                return t0, count_ref[g], body, store, views
-
-            def zeros():
-                z = plgpu.layout_cast(jnp.zeros((WG_ROWS, BLOCK), jnp.float32), WGMMA)
-                return tuple(z for _ in range(n_sub))
-
-            if config.ring:  # an expert without rows: zero steps, its zeros stored
-                def ring_item(lin):
-                    t0, steps, body, store, (a_view, b_view) = item(lin)
-
-                    def load(s, a_dst, b_dst, barrier):
-                        toks = pl.ds(pl.multiple_of((t0 + s) * BLOCK, BLOCK), BLOCK)
-                        plgpu.copy_gmem_to_smem(a_view.at[:, toks], a_dst, barrier)
-                        plgpu.copy_gmem_to_smem(b_view.at[:, toks], b_dst, barrier)
-                    return steps, None, load, body, lambda run: store(run(zeros()))
-                ring_pipeline(e * k_iters * n_iters, ring_item, allocs, wg=wg,
-                              memory_registers=config.memory_registers)
-                return
-
-            @plgpu.nd_loop((e * k_iters * n_iters,), collective_axes="sm")
-            def _item(info):
-                (lin,) = info.index
-                t0, steps, body, store, views = item(lin)
-
                 @pl.when(steps > 0)
                 def _():
                     make_pipeline(body, lambda run: store(run(zeros())), steps, t0)(
-                        *views, allocations=allocs)
+                        a_ref.at[pl.ds(ki * TILE_M, TILE_M), :], b_ref.at[pl.ds(ni * tn, tn), :],
+                        allocations=allocs)
 
                 # an expert without rows: its zeros stored directly by the two compute
                 # warpgroups (wg 2 is the pipeline's TMA warpgroup), no pipeline of zero steps

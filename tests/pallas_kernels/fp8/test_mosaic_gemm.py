@@ -1,7 +1,7 @@
 """The Mosaic GPU FP8 block-scaled GEMMs in GPU interpret mode: random normal operands quantised
 locally (1 x 128 activation tiles, 128 x 128 weight blocks, e4m3), against the fp32 sum over K
-blocks of the dequantised products; dense and grouped, both tile widths, the operand ring, row
-padding, race detection, and the refusals."""
+blocks of the dequantised products; dense and grouped, both tile widths, row padding, race
+detection, and the refusals."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,10 +16,6 @@ WIDE = Fp8Config(tile_n=256, overlap=False)  # two 128-column scale blocks per C
 PLAIN = Fp8Config(overlap=False)             # fold after each wgmma, tile_n 128
 PAIR_M = Fp8Config(cluster="m")              # 2-CTA clusters sharing b_q's tiles (multicast)
 PAIR_N = Fp8Config(cluster="n")              # 2-CTA clusters sharing a_q's tiles
-# one operand ring for all of a CTA's work items; 2 stages and 3 K steps, so that the ring's
-# slots shift from one work item to the next
-RING = Fp8Config(ring=True, max_concurrent_steps=2)
-RING_PAIR_N = Fp8Config(ring=True, cluster="n")
 
 
 def quant_rows(x):
@@ -68,8 +64,7 @@ def dense_operands(m, n, k, seed):
 
 @pytest.mark.parametrize("m,n,k,config", [(256, 256, 384, None), (256, 512, 384, WIDE),
                                           (200, 256, 256, PLAIN), (256, 256, 384, PAIR_M),
-                                          (128, 512, 256, PAIR_N), (512, 512, 384, RING),
-                                          (512, 512, 384, RING_PAIR_N)])
+                                          (128, 512, 256, PAIR_N)])
 def test_dense_matches_blockwise_reference(m, n, k, config):
     a_q, a_s, b_q, b_s = dense_operands(m, n, k, seed=m + n)
     ref = reference(a_q, a_s, b_q, b_s)
@@ -118,10 +113,9 @@ def grouped_reference(a_q, a_s, b_q, b_s, gs):
 
 @pytest.mark.parametrize("m,gs,config", [(384, (100, 0, 37, 200), None),
                                          (300, (10, 150, 133), WIDE),
-                                         (384, (100, 0, 37, 200), PAIR_N),
-                                         (700, (100, 0, 37, 200, 300, 1), RING)])
+                                         (384, (100, 0, 37, 200), PAIR_N)])
 def test_grouped_matches_per_group_reference(m, gs, config):
-    n, k = (256, 256) if config is None else (512, 384 if config.ring else 256)
+    n, k = (256, 256) if config is None else (512, 256)
     gs = jnp.asarray(gs, jnp.int32)
     a_q, a_s, b_q, b_s = grouped_operands(m, n, k, len(gs), seed=m)
     out = fp8_gmm_blockwise(a_q, a_s, b_q, b_s, gs, out_dtype=jnp.float32, config=config)
@@ -134,15 +128,15 @@ def test_grouped_matches_per_group_reference(m, gs, config):
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
 def test_no_races(kernel_races, monkeypatch):
     """GPU interpret mode with race detection: dense (both fold schedules, both cluster
-    pairings, the ring alone and paired) and grouped (alone, paired, on the ring)."""
+    pairings) and grouped (alone and paired)."""
     monkeypatch.setattr(mosaic_gemm, "default_interpret",
                         lambda: _hopper.interpret_params(detect_races=True))
     a_q, a_s, b_q, b_s = dense_operands(256, 256, 384, seed=7)
     outs = [fp8_gemm_blockwise(a_q, a_s, b_q, b_s, out_dtype=jnp.float32, config=c)
-            for c in (None, PLAIN, PAIR_M, PAIR_N, RING, RING_PAIR_N)]
+            for c in (None, PLAIN, PAIR_M, PAIR_N)]
     gs = jnp.asarray([70, 0, 130], jnp.int32)
     ga = grouped_operands(256, 256, 256, 3, seed=8)
-    outs += [fp8_gmm_blockwise(*ga, gs, out_dtype=jnp.float32, config=c) for c in (None, PAIR_N, RING)]
+    outs += [fp8_gmm_blockwise(*ga, gs, out_dtype=jnp.float32, config=c) for c in (None, PAIR_N)]
     jax.block_until_ready(outs)
     assert len(kernel_races) == len(outs) and not any(kernel_races), kernel_races
 

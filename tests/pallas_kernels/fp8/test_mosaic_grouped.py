@@ -58,15 +58,13 @@ def wgrad_operands(seed, m, k, n, gs):
     return R.quantize_cols_128x1(x_p), R.quantize_cols_128x1(dy_p), tile_group
 
 
-@pytest.mark.parametrize("groups,tile_n,ring", [("empty", 128, False), ("all", 128, False),
-                                                ("empty", 256, False), ("empty", 128, True)])
-def test_grouped_wgrad_matches_reference(groups, tile_n, ring):
+@pytest.mark.parametrize("groups,tile_n", [("empty", 128), ("all", 128), ("empty", 256)])
+def test_grouped_wgrad_matches_reference(groups, tile_n):
     gs = jnp.asarray(GROUPS[groups], jnp.int32)
     m, k, n = 320, 256, 256  # 20 rows past sum(group_sizes), dropped by pad_groups
     (xq, xs), (dq, ds), tile_group = wgrad_operands(len(groups) + tile_n, m, k, n, gs)
     want = R.grouped_wgrad_reference(xq, xs, dq, ds, tile_group, E)
-    config = WgradConfig(tile_n=tile_n, ring=ring, max_concurrent_steps=2 if ring else 4)
-    got = finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=config))
+    got = finished(fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, config=WgradConfig(tile_n=tile_n)))
     assert got.shape == (E, k, n) and got.dtype == jnp.float32
     assert rel(got, want) < TOL
     for g in range(E):
@@ -158,10 +156,9 @@ def test_grouped_impl_resolution(monkeypatch):
 
 
 @pytest.mark.skipif(_hopper.on_hopper(), reason="race detection runs in CPU interpret mode")
-@pytest.mark.parametrize("into,ring", [(False, False), (True, False), (True, True)])
-def test_wgrad_no_races(kernel_races, monkeypatch, into, ring):
-    """No race in the kernel, also when it writes bf16 into a ref with the squares (`out=`),
-    and on one operand ring for all of a CTA's items."""
+@pytest.mark.parametrize("into", [False, True])
+def test_wgrad_no_races(kernel_races, monkeypatch, into):
+    """No race in the kernel, also when it writes bf16 into a ref with the squares (`out=`)."""
     monkeypatch.setattr(mw, "default_interpret", lambda: _hopper.interpret_params(detect_races=True))
     gs = jnp.asarray((60, 0, 200, 0), jnp.int32)
     (xq, xs), (dq, ds), _ = wgrad_operands(3, 260, 256, 256, gs)
@@ -169,8 +166,7 @@ def test_wgrad_no_races(kernel_races, monkeypatch, into, ring):
         def run(xq, xs, dq, ds):
             ref = jax.empty_ref(jax.ShapeDtypeStruct((E, 256, 256), jnp.bfloat16))
             sq = jax.empty_ref(jax.ShapeDtypeStruct((E, 4, 256), jnp.float32))
-            fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, out=ref, out_row=0, sq_out=sq,
-                              config=WgradConfig(ring=ring, max_concurrent_steps=2 if ring else 4))
+            fp8_grouped_wgrad(xq.T, xs, dq.T, ds, gs, out=ref, out_row=0, sq_out=sq)
             return ref[...], sq[...]
         finished(jax.jit(run)(xq, xs, dq, ds))
     else:
