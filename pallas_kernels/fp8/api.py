@@ -143,6 +143,15 @@ def _in_order(backend, *xs):
     return xs
 
 
+def _kept(out, residuals):
+    """out and the residuals a forward keeps, through one optimization barrier, so the residuals
+    are computed before anything reads out. Without it XLA may compute a residual's E4M3
+    quantisation in the backward, from the bf16 tensor (the quantisation fused into its
+    backward consumer, or the quantisation kernel scheduled there), which keeps that bf16 tensor
+    alive from the forward to the backward instead of its half-size E4M3 copy."""
+    return jax.lax.optimization_barrier((out, residuals))
+
+
 # ----------------------------------------------------------------------------- dense
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
@@ -379,7 +388,7 @@ def _fp8_gmm_fwd(x, w, group_sizes, backend, requant):
     # is its transpose's)
     y = _grouped_gemm_nt(backend, x_q, x_s, wt_q, wt_s, group_sizes, x.dtype)[:, :w.shape[2]]
     y, x = _in_order(backend, y, x)  # the quantisation kernel after the forward's
-    xt_q, xt_s = _grouped_wgrad_operand(backend, x, group_sizes)
+    y, (xt_q, xt_s) = _kept(y, _grouped_wgrad_operand(backend, x, group_sizes))
     return y, (xt_q, xt_s, w_q, w_s, group_sizes, x[:0], _meta(w))
 
 
@@ -465,7 +474,9 @@ def _swiglu_fp8(g, u, w):
 
 
 def _swiglu_fp8_fwd(g, u, w):
-    return swiglu_value(g, u, w), (ref.quantize_rows_1x128(_rows(g)), ref.quantize_rows_1x128(_rows(u)), w, g[..., :0])
+    h, kept = _kept(swiglu_value(g, u, w), (ref.quantize_rows_1x128(_rows(g)),
+                                            ref.quantize_rows_1x128(_rows(u))))
+    return h, (*kept, w, g[..., :0])
 
 
 def _swiglu_fp8_bwd(res, dh):

@@ -203,6 +203,32 @@ def test_fp8_linear_mosaic_kernels_match_the_reference(m, k, n):
         assert rel(a, ex) < 0.05
 
 
+def test_fp8_swiglu_compiled_with_its_backward_keeps_e4m3_not_bf16():
+    """Compiled in one jit with its backward (as the train step is), fp8_swiglu keeps g and u
+    as E4M3 from the forward to the backward, not in bf16: the gradient's temporaries are
+    smaller than swiglu's by at least 3/4 of what E4M3 saves (1 of 2 bytes per element of g and
+    u, less 4 bytes of scale per 128). Without the barrier that ties the quantisation to the
+    forward (`api._kept`), XLA computes it in the backward from the bf16 g and u, keeping them:
+    on this network 48 % of the saving instead of 89 %."""
+    from pallas_kernels.moe import swiglu
+    m, d, f, layers = 2048, 256, 1408, 4
+    ks = jax.random.split(jax.random.PRNGKey(41), 3 * layers + 1)
+    x = jax.random.normal(ks[0], (m, d), jnp.bfloat16)
+    ws = [tuple(jax.random.normal(ks[1 + 3 * i + j], s, jnp.bfloat16) * 0.05
+                for j, s in enumerate([(d, f), (d, f), (f, d)])) for i in range(layers)]
+
+    def temp_bytes(fn):
+        def net(x, ws):
+            for wg, wu, wd in ws:
+                x = x + fn(x @ wg, x @ wu) @ wd
+            return jnp.sum(x.astype(jnp.float32))
+        return jax.jit(jax.grad(net)).lower(x, ws).compile().memory_analysis().temp_size_in_bytes
+
+    e4m3_saves = layers * 2 * (m * f - m * (f // 128) * 4)
+    saved = temp_bytes(swiglu) - temp_bytes(api.fp8_swiglu)
+    assert saved >= 0.75 * e4m3_saves, (saved, e4m3_saves, saved / e4m3_saves)
+
+
 def test_fp8_swiglu_backward_reads_the_e4m3_input():
     """fp8_swiglu: the forward is swiglu's bit for bit; the gradients are swiglu's backward at
     the ideally rounded input (g and u in 1 x 128 E4M3 tiles, dequantised) bit for bit, within
