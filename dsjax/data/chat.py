@@ -552,8 +552,9 @@ def build_loaders(train_paths: Sequence[os.PathLike | str],
     """(tokenizer, train loader of ``rows`` rows, validation loader of ``val_rows`` rows or None).
 
     Without ``val_paths``, a ``val_fraction`` of the training conversations (stable hash of
-    file name and line, see ``split_dataset``) is held out for validation. Parquet files are checked before the tokenizer is
-    loaded; errors as ``build_dataset`` (named ``data.train`` / ``data.validation``).
+    file name and line, see ``split_dataset``) is held out for validation. Parquet files are
+    checked before the tokenizer is loaded; errors as ``build_dataset`` (named ``data.train`` /
+    ``data.validation``).
     """
     check_files(list(train_paths) + list(val_paths))
     tok = ChatTokenizer.load(tokenizer_path, template_path)
