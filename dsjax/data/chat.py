@@ -76,7 +76,7 @@ from tokenizers import Tokenizer
 from dsjax.data.chat_template import ChatTemplate, load_chat_template
 from dsjax.data import parquet
 from dsjax.data.corpus import decode_line, expand_sources
-from dsjax.data.loader import pack_rows
+from dsjax.data.loader import check_state, pack_rows
 from dsjax.data.tokenizer import read_tokenizer, warn_pad_is_eos
 
 log = logging.getLogger(__name__)
@@ -532,11 +532,7 @@ class ChatLoader:
     def restore(self, state: dict) -> None:
         """Continue from ``state()`` of a loader over the same conversations, seed, shuffle and
         batch_size. Raises ValueError naming the first mismatch."""
-        mine = self.state()
-        for k in ("kind", "version", "seed", "shuffle", "num_docs", "lanes"):
-            if state.get(k) != mine[k]:
-                raise ValueError(f"loader state mismatch on {k!r}: checkpoint has "
-                                 f"{state.get(k)!r}, this loader {mine[k]!r}")
+        check_state(state, self.state(), ("kind", "version", "seed", "shuffle", "num_docs", "lanes"))
         epoch, i = (int(x) for x in state["cursor"])
         if epoch < 0 or not 0 <= i <= len(self.ds):
             raise ValueError(f"loader state: cursor {state['cursor']} out of range")

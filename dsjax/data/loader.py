@@ -167,6 +167,17 @@ def split_documents(docs: list[str], parts: int) -> list[str]:
     return [p for p in out if p]
 
 
+def check_state(state: dict, mine: dict, keys) -> None:
+    """Raise ValueError naming the first of ``keys`` where a checkpoint's loader ``state``
+    differs from this loader's (``mine``); for ``num_docs`` it says what changes it."""
+    for k in keys:
+        if state.get(k) != mine[k]:
+            why = (" (the training files, or the validation split drawn from them, are not the "
+                   "checkpoint's)" if k == "num_docs" else "")
+            raise ValueError(f"loader state mismatch on {k!r}: checkpoint has {state.get(k)!r}, "
+                             f"this loader {mine[k]!r}{why}")
+
+
 class PackedLoader:
     """Infinite, shuffled, resumable packed batches; plus a finite validation pass.
 
@@ -263,11 +274,7 @@ class PackedLoader:
     def restore(self, state: dict) -> None:
         """Continue from ``state()`` of a loader over the same documents, seed, shuffle and
         batch_size. Raises ValueError naming the first mismatch."""
-        mine = self.state()
-        for k in ("version", "seed", "shuffle", "num_docs", "lanes"):
-            if state.get(k) != mine[k]:
-                raise ValueError(f"loader state mismatch on {k!r}: checkpoint has "
-                                 f"{state.get(k)!r}, this loader {mine[k]!r}")
+        check_state(state, self.state(), ("version", "seed", "shuffle", "num_docs", "lanes"))
         streams = self._lanes(self.shuffle, finite=False)
         if len(state["cursors"]) != len(streams):
             raise ValueError("loader state mismatch on 'cursors': wrong number of lanes")

@@ -266,6 +266,12 @@ def test_resume_and_validation_pass(v3, tmp_path):
             np.testing.assert_array_equal(w[k], got[k])
     with pytest.raises(ValueError, match="mismatch on 'lanes'"):
         chat.ChatLoader(ds, 4, 40, v3.pad_id, seed=3).restore(state)
+    fewer = ds.subset(list(range(len(ds) - 1)))
+    with pytest.raises(ValueError, match=rf"^loader state mismatch on 'num_docs': checkpoint has "
+                                         rf"{len(ds)}, this loader {len(ds) - 1} \(the training "
+                                         rf"files, or the validation split drawn from them, are "
+                                         rf"not the checkpoint's\)$"):
+        chat.ChatLoader(fewer, 2, 40, v3.pad_id, seed=3).restore(state)
     val = list(a.iter_epoch_once())
     n_segments = sum(int(v["segment_ids"][r].max()) for v in val for r in range(2))
     assert n_segments == len(ds)
